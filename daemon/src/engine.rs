@@ -1,0 +1,354 @@
+//! Engines: where a drive's requests go once they are parsed and validated.
+//!
+//! An [`Engine`] is shared by a drive's queues; each queue worker asks it for its own
+//! [`QueueIo`], a submission/completion context owned by that one thread (an io_uring ring for
+//! the file engine, a connection for the NBD engine). The worker polls
+//! [`QueueIo::completion_fd`] in its epoll set, so every engine plugs into the same event loop.
+//!
+//! Switching a drive's engine (see `drive.rs`) drains every queue, drops the old `QueueIo`s
+//! and asks the new engine for fresh ones, so an engine never sees another engine's requests.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use io_uring::{opcode, squeue, types, IoUring};
+use thiserror::Error;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error("cannot open image {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("image {path} is not a regular file or block device")]
+    NotAFileOrDevice { path: PathBuf },
+    #[error("image {path}: {what}")]
+    Unsupported { path: PathBuf, what: String },
+    #[error("cannot set up io_uring for queue {queue}")]
+    Ring {
+        queue: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot create an eventfd")]
+    EventFd(#[source] io::Error),
+}
+
+/// One operation for an engine. Offsets and lengths were validated against the disk; the
+/// iovecs point into guest memory or a bounce buffer that the caller keeps alive until the
+/// completion is reaped.
+#[derive(Clone, Copy, Debug)]
+pub enum IoOp {
+    Readv {
+        offset: u64,
+        iov: *const libc::iovec,
+        iovcnt: u32,
+    },
+    Writev {
+        offset: u64,
+        iov: *const libc::iovec,
+        iovcnt: u32,
+        /// Write-through: the data is durable when the write completes (RWF_DSYNC).
+        dsync: bool,
+    },
+    /// Make every completed write durable.
+    Flush,
+    /// `fallocate(2)` with this mode (punch hole or zero range, always KEEP_SIZE).
+    Fallocate { offset: u64, len: u64, mode: i32 },
+}
+
+/// A queue's private I/O context. Results are bytes transferred or a negative errno.
+pub trait QueueIo: Send {
+    /// Queues one operation under `token`; it is sent at the next [`QueueIo::submit`].
+    /// Returns false when the context is full (never the case while the caller keeps no more
+    /// operations in flight than the depth it asked for).
+    ///
+    /// # Safety
+    /// Every iovec of `op`, and the memory it points to, must stay valid and untouched by
+    /// anything but this operation until the completion for `token` has been reaped.
+    unsafe fn push(&mut self, op: &IoOp, token: u64) -> bool;
+    /// Sends what was pushed, in one system call where the engine can.
+    fn submit(&mut self) -> io::Result<()>;
+    /// Readable when completions may be waiting; the worker then calls [`QueueIo::reap`].
+    fn completion_fd(&self) -> RawFd;
+    /// Moves finished operations into `out` as (token, result).
+    fn reap(&mut self, out: &mut Vec<(u64, i32)>);
+}
+
+/// The storage side of a drive.
+pub trait Engine: Send + Sync {
+    /// A short name for logs and status ("io_uring", "nbd").
+    fn name(&self) -> &str;
+    /// Memory and length alignment that I/O buffers need (O_DIRECT); 1 when any will do.
+    fn buffer_alignment(&self) -> u32;
+    /// Whether fallocate can punch holes and zero ranges on this image.
+    fn is_block_device(&self) -> bool;
+    /// A private context for queue `queue` that keeps up to `depth` operations in flight.
+    fn open_queue(&self, queue: usize, depth: u32) -> Result<Box<dyn QueueIo>, EngineError>;
+}
+
+/// How the file engine opens an image.
+#[derive(Clone, Debug)]
+pub struct FileEngineConfig {
+    pub path: PathBuf,
+    pub read_only: bool,
+    /// O_DIRECT: bypass the host page cache.
+    pub direct: bool,
+    /// The guest's logical block size; direct I/O must be possible at that granularity.
+    pub logical_block_size: u32,
+}
+
+/// The direct engine: io_uring on a raw file or block device, one ring per queue.
+pub struct FileEngine {
+    cfg: FileEngineConfig,
+    file: Arc<File>,
+    size: u64,
+    block_device: bool,
+    mem_align: u32,
+}
+
+impl FileEngine {
+    pub fn open(cfg: FileEngineConfig) -> Result<Self, EngineError> {
+        let open_err = |source| EngineError::Open {
+            path: cfg.path.clone(),
+            source,
+        };
+        let mut oo = OpenOptions::new();
+        oo.read(true).write(!cfg.read_only);
+        let mut flags = libc::O_CLOEXEC;
+        if cfg.direct {
+            flags |= libc::O_DIRECT;
+        }
+        oo.custom_flags(flags);
+        let file = oo.open(&cfg.path).map_err(open_err)?;
+        let meta = file.metadata().map_err(open_err)?;
+        let ft = meta.file_type();
+        let (size, block_device) = if ft.is_file() {
+            (meta.len(), false)
+        } else if ft.is_block_device() {
+            (block_device_size(&file).map_err(open_err)?, true)
+        } else {
+            return Err(EngineError::NotAFileOrDevice {
+                path: cfg.path.clone(),
+            });
+        };
+        let mut mem_align = 1;
+        if cfg.direct {
+            let (mem, offset) = dio_alignment(&file).unwrap_or((512, 512));
+            if offset > cfg.logical_block_size {
+                return Err(EngineError::Unsupported {
+                    path: cfg.path.clone(),
+                    what: format!(
+                        "direct I/O needs {offset}-byte aligned offsets, larger than the logical \
+                         block size {}; use a larger --logical-block-size or --direct off",
+                        cfg.logical_block_size
+                    ),
+                });
+            }
+            mem_align = mem.max(1);
+        }
+        Ok(FileEngine {
+            cfg,
+            file: Arc::new(file),
+            size,
+            block_device,
+            mem_align,
+        })
+    }
+
+    /// Image size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn config(&self) -> &FileEngineConfig {
+        &self.cfg
+    }
+}
+
+/// Size of a block device (BLKGETSIZE64).
+fn block_device_size(f: &File) -> io::Result<u64> {
+    // BLKGETSIZE64 = _IOR(0x12, 114, size_t)
+    const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+    let mut size: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points to a live u64.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(size)
+}
+
+/// Direct I/O alignment (memory, offset) from statx(STATX_DIOALIGN), when the kernel and the
+/// file system report it.
+fn dio_alignment(f: &File) -> Option<(u32, u32)> {
+    const STATX_DIOALIGN: u32 = 0x2000;
+    // SAFETY: statx is plain old data; all-zero is a valid value.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: the fd is open, the empty path with AT_EMPTY_PATH names it, and stx is a valid
+    // statx buffer that outlives the call.
+    let r = unsafe {
+        libc::statx(
+            f.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
+    if r != 0 || stx.stx_mask & STATX_DIOALIGN == 0 || stx.stx_dio_mem_align == 0 {
+        return None;
+    }
+    Some((stx.stx_dio_mem_align, stx.stx_dio_offset_align))
+}
+
+impl Engine for FileEngine {
+    fn name(&self) -> &str {
+        "io_uring"
+    }
+
+    fn buffer_alignment(&self) -> u32 {
+        self.mem_align
+    }
+
+    fn is_block_device(&self) -> bool {
+        self.block_device
+    }
+
+    fn open_queue(&self, queue: usize, depth: u32) -> Result<Box<dyn QueueIo>, EngineError> {
+        let ring_err = |source| EngineError::Ring { queue, source };
+        let entries = depth.clamp(8, 4096).next_power_of_two();
+        let mut b = IoUring::builder();
+        b.setup_single_issuer().setup_coop_taskrun();
+        // CQ twice the SQ (the default): in-flight never exceeds `entries`, so it cannot
+        // overflow.
+        let ring = match b.build(entries) {
+            Ok(r) => r,
+            // Older kernels lack SINGLE_ISSUER or COOP_TASKRUN: plain ring.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                IoUring::new(entries).map_err(ring_err)?
+            }
+            Err(e) => return Err(ring_err(e)),
+        };
+        let done = EventFd::new(EFD_NONBLOCK).map_err(EngineError::EventFd)?;
+        ring.submitter()
+            .register_files(&[self.file.as_raw_fd()])
+            .map_err(ring_err)?;
+        ring.submitter()
+            .register_eventfd(done.as_raw_fd())
+            .map_err(ring_err)?;
+        Ok(Box::new(RingQueue {
+            ring,
+            done,
+            _file: self.file.clone(),
+            queued: 0,
+        }))
+    }
+}
+
+struct RingQueue {
+    ring: IoUring,
+    done: EventFd,
+    // Keeps the registered file open for the ring's lifetime.
+    _file: Arc<File>,
+    queued: u32,
+}
+
+const FIXED_FILE: types::Fixed = types::Fixed(0);
+
+impl QueueIo for RingQueue {
+    unsafe fn push(&mut self, op: &IoOp, token: u64) -> bool {
+        let sqe = match *op {
+            IoOp::Readv {
+                offset,
+                iov,
+                iovcnt,
+            } => opcode::Readv::new(FIXED_FILE, iov, iovcnt)
+                .offset(offset)
+                .build(),
+            IoOp::Writev {
+                offset,
+                iov,
+                iovcnt,
+                dsync,
+            } => opcode::Writev::new(FIXED_FILE, iov, iovcnt)
+                .offset(offset)
+                .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
+                .build(),
+            // IO_DRAIN: the flush starts only after every earlier operation of this ring has
+            // completed, so it covers them (never reordered ahead of a write).
+            IoOp::Flush => opcode::Fsync::new(FIXED_FILE)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build()
+                .flags(squeue::Flags::IO_DRAIN),
+            IoOp::Fallocate { offset, len, mode } => opcode::Fallocate::new(FIXED_FILE, len)
+                .offset(offset)
+                .mode(mode)
+                .build(),
+        }
+        .user_data(token);
+        // SAFETY: the caller guarantees the iovecs and their buffers outlive the operation.
+        let ok = unsafe { self.ring.submission().push(&sqe).is_ok() };
+        if ok {
+            self.queued += 1;
+        }
+        ok
+    }
+
+    fn submit(&mut self) -> io::Result<()> {
+        if self.queued == 0 {
+            return Ok(());
+        }
+        loop {
+            match self.ring.submit() {
+                Ok(_) => {
+                    self.queued = 0;
+                    return Ok(());
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                // EBUSY/EAGAIN: the kernel is short of resources; completions will free some,
+                // and the worker submits again after reaping.
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) =>
+                {
+                    return Ok(())
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn completion_fd(&self) -> RawFd {
+        self.done.as_raw_fd()
+    }
+
+    fn reap(&mut self, out: &mut Vec<(u64, i32)>) {
+        // Clear the eventfd first: a completion posted after this read re-arms it.
+        let _ = self.done.read();
+        if self.queued > 0 {
+            // Retry a submission that the kernel deferred with EBUSY.
+            let _ = self.submit();
+        }
+        for cqe in self.ring.completion() {
+            out.push((cqe.user_data(), cqe.result()));
+        }
+    }
+}
+
+/// Opens `path` to learn its size without keeping it: for config and capacity.
+pub fn image_size(path: &Path) -> io::Result<u64> {
+    let f = File::open(path)?;
+    let meta = f.metadata()?;
+    if meta.file_type().is_block_device() {
+        block_device_size(&f)
+    } else {
+        Ok(meta.len())
+    }
+}

@@ -1,0 +1,177 @@
+//! `acceld serve`: one image, one vhost-user-blk socket, the direct (io_uring) engine.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Args, ValueEnum};
+use thiserror::Error;
+use tracing::info;
+
+use crate::drive::{DiscardMode, Drive, DriveConfig};
+use crate::engine::{EngineError, FileEngine, FileEngineConfig};
+use crate::vhost::{ServeError, Server, ShutdownHandle};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DiscardArg {
+    Unmap,
+    Ignore,
+}
+
+/// Serve one raw image or block device on a vhost-user-blk socket.
+#[derive(Args, Clone, Debug)]
+pub struct ServeArgs {
+    /// Raw image file or block device.
+    #[arg(long)]
+    pub image: PathBuf,
+    /// vhost-user socket to listen on (QEMU: -chardev socket,path=...).
+    #[arg(long)]
+    pub socket: PathBuf,
+    /// Number of virtqueues (QEMU: vhost-user-blk-pci,num-queues=N).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub queues: u16,
+    /// Largest virtqueue size the frontend may use (a power of two, at most 1024).
+    #[arg(long, default_value_t = 1024, value_parser = parse_queue_size)]
+    pub queue_size: u16,
+    /// Refuse writes, and show the disk read-only to the guest.
+    #[arg(long)]
+    pub read_only: bool,
+    /// Serial number the guest reads (GET_ID; 20 bytes at most). Default: the image's file
+    /// name.
+    #[arg(long)]
+    pub serial: Option<String>,
+    /// Logical block size shown to the guest.
+    #[arg(long, default_value_t = 512, value_parser = parse_block_size)]
+    pub logical_block_size: u32,
+    /// O_DIRECT I/O (bypass the host page cache).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    pub direct: OnOff,
+    /// What DISCARD does: punch a hole in the image, or nothing.
+    #[arg(long, value_enum, default_value_t = DiscardArg::Unmap)]
+    pub discard: DiscardArg,
+}
+
+fn parse_queue_size(s: &str) -> Result<u16, String> {
+    let n: u16 = s.parse().map_err(|_| format!("'{s}' is not a number"))?;
+    if n == 0 || n > 1024 || !n.is_power_of_two() {
+        return Err(format!("{n} is not a power of two between 1 and 1024"));
+    }
+    Ok(n)
+}
+
+fn parse_block_size(s: &str) -> Result<u32, String> {
+    match s {
+        "512" => Ok(512),
+        "4096" => Ok(4096),
+        _ => Err(format!("'{s}' is not 512 or 4096")),
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum ServeCmdError {
+    #[error("image {0} does not exist")]
+    NoImage(PathBuf),
+    #[error("image {path} holds {size} bytes, less than one {block}-byte block")]
+    TooSmall { path: PathBuf, size: u64, block: u32 },
+    #[error("serial '{0}' is longer than 20 bytes")]
+    SerialTooLong(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+    #[error("cannot install the signal handler")]
+    Signals(#[source] std::io::Error),
+}
+
+impl ServeArgs {
+    /// The drive and its direct engine, with every argument checked.
+    pub fn build(&self) -> Result<Arc<Drive>, ServeCmdError> {
+        if !self.image.exists() {
+            return Err(ServeCmdError::NoImage(self.image.clone()));
+        }
+        let serial = match &self.serial {
+            Some(s) if s.len() > 20 => return Err(ServeCmdError::SerialTooLong(s.clone())),
+            Some(s) => s.clone(),
+            None => self
+                .image
+                .file_name()
+                .map(|n| n.to_string_lossy().chars().take(20).collect())
+                .unwrap_or_default(),
+        };
+        let engine = FileEngine::open(FileEngineConfig {
+            path: self.image.clone(),
+            read_only: self.read_only,
+            direct: self.direct == OnOff::On,
+            logical_block_size: self.logical_block_size,
+        })?;
+        let size = engine.size();
+        let block = u64::from(self.logical_block_size);
+        if size < block {
+            return Err(ServeCmdError::TooSmall {
+                path: self.image.clone(),
+                size,
+                block: self.logical_block_size,
+            });
+        }
+        let name = self
+            .image
+            .file_stem()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "disk".into());
+        let cfg = DriveConfig {
+            name,
+            serial,
+            // The guest sees whole logical blocks; a tail shorter than one is not addressable.
+            capacity_bytes: size / block * block,
+            logical_block_size: self.logical_block_size,
+            read_only: self.read_only,
+            num_queues: self.queues,
+            queue_size: self.queue_size,
+            discard: match self.discard {
+                DiscardArg::Unmap => DiscardMode::Unmap,
+                DiscardArg::Ignore => DiscardMode::Ignore,
+            },
+        };
+        Ok(Drive::new(cfg, Arc::new(engine)))
+    }
+}
+
+/// Runs `acceld serve` until SIGTERM or SIGINT, then drains and exits.
+pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
+    let drive = args.build()?;
+    let mut server = Server::bind(&args.socket, drive.clone())?;
+    let stop = server.shutdown_handle();
+    install_signals(stop)?;
+    info!(
+        image = %args.image.display(),
+        socket = %args.socket.display(),
+        queues = args.queues,
+        capacity = drive.config().capacity_bytes,
+        engine = drive.engine().name(),
+        "serving"
+    );
+    server.run()?;
+    info!(connections = server.connections, "drained, exiting");
+    Ok(())
+}
+
+fn install_signals(stop: ShutdownHandle) -> Result<(), ServeCmdError> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).map_err(ServeCmdError::Signals)?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                info!(signal = sig, "shutting down");
+                stop.shutdown();
+            }
+        })
+        .map_err(ServeCmdError::Signals)?;
+    Ok(())
+}

@@ -1,0 +1,707 @@
+//! The vhost-user side: protocol state of one connection, and the listener that outlives
+//! connections.
+//!
+//! We implement the `vhost` crate's request-handler trait ourselves instead of using
+//! `vhost-user-backend`, because that crate answers `GET_VRING_BASE` before the backend's
+//! in-flight requests complete (exactly what BRIEF §2 measured QEMU's own export doing wrong).
+//! Here `GET_VRING_BASE` stops the queue's worker, waits for every popped request to be in the
+//! used ring, and only then replies with `next_avail`: a `stop`, a reconnect or a restart never
+//! replays or loses a request.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use thiserror::Error;
+use tracing::{debug, info, warn};
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags, VhostUserInflight,
+    VhostUserLog, VhostUserMemoryRegion, VhostUserProtocolFeatures, VhostUserShMemConfig,
+    VhostUserSharedMsg, VhostUserSingleMemoryRegion, VhostUserVirtioFeatures,
+    VhostUserVringAddrFlags, VhostUserVringState,
+};
+use vhost::vhost_user::{
+    BackendListener, Error as VuError, GpuBackend, Listener, Result as VuResult,
+    VhostUserBackendReqHandlerMut,
+};
+use vhost::VhostUserMemoryRegionBase;
+use virtio_bindings::bindings::virtio_config::{VIRTIO_F_NOTIFY_ON_EMPTY, VIRTIO_F_VERSION_1};
+use virtio_bindings::bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::drive::{lock, Drive};
+use crate::virtio_blk::{self, CONFIG_LEN, CONFIG_WRITEBACK_OFFSET};
+use crate::worker::{self, CallHandle, Mem, MemHandle, WorkerHandle, WorkerParams};
+
+/// Memory slots we accept (libvhost-user and QEMU's export use the same number).
+const MAX_MEM_SLOTS: u64 = 509;
+
+/// The protocol features acceld implements. Not offered (yet): LOG_SHMFD (dirty logging for
+/// migration), INFLIGHT_SHMFD (crash-safe restart), BACKEND_REQ/BACKEND_SEND_FD,
+/// HOST_NOTIFIER, PAGEFAULT.
+pub fn protocol_features() -> VhostUserProtocolFeatures {
+    VhostUserProtocolFeatures::MQ
+        | VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::REPLY_ACK
+        | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+}
+
+/// Virtio and vhost feature bits offered to the frontend: QEMU 10's export set without
+/// VHOST_F_LOG_ALL (dirty logging is not implemented, so QEMU refuses to migrate: safe).
+pub fn virtio_features(read_only: bool) -> u64 {
+    virtio_blk::device_features(read_only)
+        | 1 << VIRTIO_F_VERSION_1
+        | 1 << VIRTIO_RING_F_INDIRECT_DESC
+        | 1 << VIRTIO_RING_F_EVENT_IDX
+        | 1 << VIRTIO_F_NOTIFY_ON_EMPTY
+        | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+}
+
+#[derive(Debug, Error)]
+pub enum ServeError {
+    #[error("socket {0} is in use by another server")]
+    SocketInUse(PathBuf),
+    #[error("cannot listen on {path}")]
+    Listen {
+        path: PathBuf,
+        #[source]
+        source: VuError,
+    },
+    #[error("cannot accept a connection")]
+    Accept(#[source] VuError),
+    #[error("poll failed")]
+    Poll(#[source] io::Error),
+}
+
+/// One region of the frontend's memory table: where the frontend maps it, to translate the
+/// vring addresses it sends (its own virtual addresses) into guest-physical ones.
+struct Mapping {
+    gpa: u64,
+    size: u64,
+    user_addr: u64,
+    region: Arc<GuestRegionMmap<()>>,
+}
+
+#[derive(Default)]
+struct VringState {
+    size: u16,
+    base: u16,
+    desc: u64,
+    avail: u64,
+    used: u64,
+    addr_set: bool,
+    kick: Option<EventFd>,
+    call: CallHandle,
+    enabled: bool,
+    worker: Option<WorkerHandle>,
+}
+
+/// Protocol state of one frontend connection. A new connection gets a new one.
+pub struct Connection {
+    drive: Arc<Drive>,
+    acked_features: u64,
+    acked_protocol: u64,
+    owned: bool,
+    mem: MemHandle,
+    mem_set: bool,
+    maps: Vec<Mapping>,
+    vrings: Vec<VringState>,
+}
+
+impl Connection {
+    pub fn new(drive: Arc<Drive>) -> Self {
+        let n = usize::from(drive.config().num_queues);
+        Connection {
+            drive,
+            acked_features: 0,
+            acked_protocol: 0,
+            owned: false,
+            mem: Arc::new(Mutex::new(Arc::new(Mem::default()))),
+            mem_set: false,
+            maps: Vec::new(),
+            vrings: (0..n).map(|_| VringState::default()).collect(),
+        }
+    }
+
+    fn event_idx(&self) -> bool {
+        self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0
+    }
+
+    fn vring(&mut self, index: u32) -> VuResult<&mut VringState> {
+        self.vrings
+            .get_mut(index as usize)
+            .ok_or(VuError::InvalidParam)
+    }
+
+    fn va_to_gpa(&self, va: u64) -> VuResult<u64> {
+        self.maps
+            .iter()
+            .find(|m| va >= m.user_addr && va - m.user_addr < m.size)
+            .map(|m| m.gpa + (va - m.user_addr))
+            .ok_or(VuError::InvalidParam)
+    }
+
+    fn rebuild_memory(&mut self) -> VuResult<()> {
+        let regions = self.maps.iter().map(|m| m.region.clone()).collect();
+        let mem = GuestMemoryMmap::from_arc_regions(regions)
+            .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
+        *lock(&self.mem) = Arc::new(mem);
+        self.mem_set = !self.maps.is_empty();
+        Ok(())
+    }
+
+    /// Starts the worker of a queue once it has everything it needs.
+    fn maybe_start(&mut self, index: usize) -> VuResult<()> {
+        let event_idx = self.event_idx();
+        let mem_set = self.mem_set;
+        let mem = self.mem.clone();
+        let drive = self.drive.clone();
+        let v = &mut self.vrings[index];
+        if v.worker.is_some() || !v.enabled || !v.addr_set || v.kick.is_none() || !mem_set {
+            return Ok(());
+        }
+        let max = drive.config().queue_size;
+        let mut q = Queue::new(max).map_err(|_| VuError::InvalidParam)?;
+        q.try_set_size(v.size).map_err(|_| VuError::InvalidParam)?;
+        q.try_set_desc_table_address(GuestAddress(v.desc))
+            .map_err(|_| VuError::InvalidParam)?;
+        q.try_set_avail_ring_address(GuestAddress(v.avail))
+            .map_err(|_| VuError::InvalidParam)?;
+        q.try_set_used_ring_address(GuestAddress(v.used))
+            .map_err(|_| VuError::InvalidParam)?;
+        q.set_event_idx(event_idx);
+        q.set_next_avail(v.base);
+        {
+            let m = lock(&mem).clone();
+            // The used index in guest memory is the truth (a previous backend may have left
+            // it anywhere); start adding after it.
+            let used = q
+                .used_idx(&*m, std::sync::atomic::Ordering::Acquire)
+                .map_err(|_| VuError::InvalidParam)?;
+            q.set_next_used(used.0);
+            q.set_ready(true);
+            if !q.is_valid(&*m) {
+                warn!(drive = %drive.config().name, queue = index, "vring addresses outside guest memory");
+                return Err(VuError::InvalidParam);
+            }
+        }
+        let kick = v
+            .kick
+            .as_ref()
+            .expect("checked")
+            .try_clone()
+            .map_err(VuError::ReqHandlerError)?;
+        let h = worker::spawn(WorkerParams {
+            drive,
+            index,
+            queue: q,
+            mem,
+            kick,
+            call: v.call.clone(),
+        })
+        .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
+        debug!(queue = index, size = v.size, base = v.base, "queue started");
+        v.worker = Some(h);
+        Ok(())
+    }
+
+    /// Stops a queue's worker after its in-flight requests completed; keeps `next_avail`.
+    fn stop_queue(&mut self, index: usize) {
+        let v = &mut self.vrings[index];
+        if let Some(h) = v.worker.take() {
+            let q = h.stop();
+            v.base = q.next_avail();
+            debug!(queue = index, base = v.base, "queue stopped");
+        }
+    }
+
+    /// Drains and stops every queue: on disconnect, shutdown and reset.
+    pub fn stop_all(&mut self) {
+        for i in 0..self.vrings.len() {
+            self.stop_queue(i);
+        }
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+fn file_to_eventfd(f: File) -> EventFd {
+    // SAFETY: the frontend sent an eventfd; we take ownership of the descriptor, which the
+    // File gives up with into_raw_fd, so it is owned exactly once.
+    unsafe { EventFd::from_raw_fd(f.into_raw_fd()) }
+}
+
+impl VhostUserBackendReqHandlerMut for Connection {
+    fn set_owner(&mut self) -> VuResult<()> {
+        if self.owned {
+            return Err(VuError::InvalidOperation("already claimed"));
+        }
+        self.owned = true;
+        Ok(())
+    }
+
+    fn reset_owner(&mut self) -> VuResult<()> {
+        self.stop_all();
+        self.owned = false;
+        self.acked_features = 0;
+        self.acked_protocol = 0;
+        Ok(())
+    }
+
+    fn reset_device(&mut self) -> VuResult<()> {
+        self.stop_all();
+        for v in &mut self.vrings {
+            *v = VringState::default();
+        }
+        self.acked_features = 0;
+        Ok(())
+    }
+
+    fn get_features(&mut self) -> VuResult<u64> {
+        Ok(virtio_features(self.drive.config().read_only))
+    }
+
+    fn set_features(&mut self, features: u64) -> VuResult<()> {
+        let offered = virtio_features(self.drive.config().read_only);
+        if features & !offered != 0 {
+            return Err(VuError::InvalidParam);
+        }
+        self.acked_features = features;
+        // Without PROTOCOL_FEATURES, rings start enabled (vhost-user spec, "Ring states").
+        let enabled = features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0;
+        for i in 0..self.vrings.len() {
+            if self.vrings[i].worker.is_none() {
+                self.vrings[i].enabled = enabled;
+            }
+        }
+        Ok(())
+    }
+
+    fn set_mem_table(
+        &mut self,
+        ctx: &[VhostUserMemoryRegion],
+        files: Vec<File>,
+        postcopy_listening: Option<bool>,
+    ) -> VuResult<Option<Vec<VhostUserMemoryRegionBase>>> {
+        if postcopy_listening.is_some() {
+            return Err(VuError::InvalidOperation("postcopy not supported"));
+        }
+        let mut maps = Vec::with_capacity(ctx.len());
+        for (r, f) in ctx.iter().zip(files) {
+            let region = GuestRegionMmap::new(r.mmap_region(f)?, GuestAddress(r.guest_phys_addr))
+                .ok_or(VuError::InvalidParam)?;
+            maps.push(Mapping {
+                gpa: r.guest_phys_addr,
+                size: r.memory_size,
+                user_addr: r.user_addr,
+                region: Arc::new(region),
+            });
+        }
+        self.maps = maps;
+        self.rebuild_memory()?;
+        Ok(None)
+    }
+
+    fn set_vring_num(&mut self, index: u32, num: u32) -> VuResult<()> {
+        let max = u32::from(self.drive.config().queue_size);
+        if num == 0 || num > max || !num.is_power_of_two() {
+            return Err(VuError::InvalidParam);
+        }
+        self.vring(index)?.size = num as u16;
+        Ok(())
+    }
+
+    fn set_vring_addr(
+        &mut self,
+        index: u32,
+        _flags: VhostUserVringAddrFlags,
+        descriptor: u64,
+        used: u64,
+        available: u64,
+        _log: u64,
+    ) -> VuResult<()> {
+        let desc = self.va_to_gpa(descriptor)?;
+        let used = self.va_to_gpa(used)?;
+        let avail = self.va_to_gpa(available)?;
+        let v = self.vring(index)?;
+        v.desc = desc;
+        v.used = used;
+        v.avail = avail;
+        v.addr_set = true;
+        Ok(())
+    }
+
+    fn set_vring_base(&mut self, index: u32, base: u32) -> VuResult<()> {
+        let v = self.vring(index)?;
+        if v.worker.is_some() {
+            return Err(VuError::InvalidOperation("queue is running"));
+        }
+        v.base = base as u16;
+        Ok(())
+    }
+
+    fn get_vring_base(&mut self, index: u32) -> VuResult<VhostUserVringState> {
+        self.vring(index)?;
+        // Completes every popped request before answering (see the module doc).
+        self.stop_queue(index as usize);
+        let v = &mut self.vrings[index as usize];
+        let base = v.base;
+        // The ring is stopped; a new start needs a new kick (vhost-user spec).
+        v.kick = None;
+        v.addr_set = false;
+        v.enabled = self.acked_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0;
+        Ok(VhostUserVringState::new(index, u32::from(base)))
+    }
+
+    fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        let index = u32::from(index);
+        self.vring(index)?;
+        let Some(fd) = fd else {
+            return Err(VuError::InvalidOperation("polling mode (no kick fd) is not supported"));
+        };
+        self.stop_queue(index as usize);
+        self.vrings[index as usize].kick = Some(file_to_eventfd(fd));
+        self.maybe_start(index as usize)
+    }
+
+    fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        let v = self.vring(u32::from(index))?;
+        let ev = fd.map(file_to_eventfd);
+        // A request completed before this call fd existed may be waiting for an interrupt:
+        // one spurious interrupt is harmless, a lost one hangs the guest.
+        if v.worker.is_some() {
+            if let Some(e) = &ev {
+                let _ = e.write(1);
+            }
+        }
+        *lock(&v.call) = ev;
+        Ok(())
+    }
+
+    fn set_vring_err(&mut self, index: u8, _fd: Option<File>) -> VuResult<()> {
+        self.vring(u32::from(index))?;
+        Ok(())
+    }
+
+    fn get_protocol_features(&mut self) -> VuResult<VhostUserProtocolFeatures> {
+        Ok(protocol_features())
+    }
+
+    fn set_protocol_features(&mut self, features: u64) -> VuResult<()> {
+        if features & !protocol_features().bits() != 0 {
+            return Err(VuError::InvalidParam);
+        }
+        self.acked_protocol = features;
+        Ok(())
+    }
+
+    fn get_queue_num(&mut self) -> VuResult<u64> {
+        Ok(u64::from(self.drive.config().num_queues))
+    }
+
+    fn set_vring_enable(&mut self, index: u32, enable: bool) -> VuResult<()> {
+        self.vring(index)?;
+        let i = index as usize;
+        if enable {
+            self.vrings[i].enabled = true;
+            self.maybe_start(i)
+        } else {
+            self.stop_queue(i);
+            self.vrings[i].enabled = false;
+            Ok(())
+        }
+    }
+
+    fn get_config(
+        &mut self,
+        offset: u32,
+        size: u32,
+        _flags: VhostUserConfigFlags,
+    ) -> VuResult<Vec<u8>> {
+        let cfg = self
+            .drive
+            .config()
+            .blk_config(self.drive.writeback())
+            .to_bytes();
+        let (offset, size) = (offset as usize, size as usize);
+        let end = offset.checked_add(size).ok_or(VuError::InvalidParam)?;
+        if end > 256 {
+            return Err(VuError::InvalidParam);
+        }
+        // Exactly `size` bytes; past the structure the space reads as zero.
+        let mut out = vec![0u8; size];
+        if offset < CONFIG_LEN {
+            let n = (CONFIG_LEN - offset).min(size);
+            out[..n].copy_from_slice(&cfg[offset..offset + n]);
+        }
+        Ok(out)
+    }
+
+    fn set_config(&mut self, offset: u32, buf: &[u8], _flags: VhostUserConfigFlags) -> VuResult<()> {
+        // Only `writeback` is writable (VIRTIO_BLK_F_CONFIG_WCE).
+        if offset as usize != CONFIG_WRITEBACK_OFFSET || buf.len() != 1 {
+            return Err(VuError::InvalidParam);
+        }
+        self.drive.set_writeback(buf[0] != 0);
+        Ok(())
+    }
+
+    fn set_gpu_socket(&mut self, _gpu_backend: GpuBackend) -> VuResult<()> {
+        Err(VuError::InvalidOperation("not a gpu device"))
+    }
+
+    fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> VuResult<File> {
+        Err(VuError::InvalidOperation("shared objects are not supported"))
+    }
+
+    fn get_inflight_fd(
+        &mut self,
+        _inflight: &VhostUserInflight,
+    ) -> VuResult<(VhostUserInflight, File)> {
+        Err(VuError::InvalidOperation("INFLIGHT_SHMFD is not implemented yet"))
+    }
+
+    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VuResult<()> {
+        Err(VuError::InvalidOperation("INFLIGHT_SHMFD is not implemented yet"))
+    }
+
+    fn get_max_mem_slots(&mut self) -> VuResult<u64> {
+        Ok(MAX_MEM_SLOTS)
+    }
+
+    fn add_mem_region(
+        &mut self,
+        region: &VhostUserSingleMemoryRegion,
+        fd: File,
+        postcopy_listening: Option<bool>,
+    ) -> VuResult<Option<VhostUserMemoryRegionBase>> {
+        if postcopy_listening.is_some() {
+            return Err(VuError::InvalidOperation("postcopy not supported"));
+        }
+        if self.maps.len() as u64 >= MAX_MEM_SLOTS {
+            return Err(VuError::InvalidParam);
+        }
+        let r = GuestRegionMmap::new(region.mmap_region(fd)?, GuestAddress(region.guest_phys_addr))
+            .ok_or(VuError::InvalidParam)?;
+        self.maps.push(Mapping {
+            gpa: region.guest_phys_addr,
+            size: region.memory_size,
+            user_addr: region.user_addr,
+            region: Arc::new(r),
+        });
+        if let Err(e) = self.rebuild_memory() {
+            self.maps.pop();
+            return Err(e);
+        }
+        Ok(None)
+    }
+
+    fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
+        let before = self.maps.len();
+        self.maps.retain(|m| {
+            !(m.gpa == region.guest_phys_addr
+                && m.size == region.memory_size
+                && m.user_addr == region.user_addr)
+        });
+        if self.maps.len() == before {
+            return Err(VuError::InvalidParam);
+        }
+        self.rebuild_memory()
+    }
+
+    fn set_device_state_fd(
+        &mut self,
+        _direction: VhostTransferStateDirection,
+        _phase: VhostTransferStatePhase,
+        _fd: File,
+    ) -> VuResult<Option<File>> {
+        Err(VuError::InvalidOperation("device state transfer is not supported"))
+    }
+
+    fn check_device_state(&mut self) -> VuResult<()> {
+        Err(VuError::InvalidOperation("device state transfer is not supported"))
+    }
+
+    fn get_shmem_config(&mut self) -> VuResult<VhostUserShMemConfig> {
+        Err(VuError::InvalidOperation("no shared memory regions"))
+    }
+
+    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
+        Err(VuError::InvalidOperation("dirty logging is not implemented"))
+    }
+}
+
+/// A persistent vhost-user listener for one drive: frontends come and go, each connection gets
+/// fresh protocol state, and the drive (engine, counters) stays.
+pub struct Server {
+    drive: Arc<Drive>,
+    path: PathBuf,
+    listener: Listener,
+    shutdown: Arc<EventFd>,
+    /// Connections served so far.
+    pub connections: u64,
+}
+
+/// Requests a server loop to stop: drain, close, return.
+#[derive(Clone)]
+pub struct ShutdownHandle(Arc<EventFd>);
+
+impl ShutdownHandle {
+    pub fn shutdown(&self) {
+        let _ = self.0.write(1);
+    }
+}
+
+impl Server {
+    /// Binds the socket. An existing socket that a live server answers on is an error; a
+    /// stale one (left by a crash) is replaced.
+    pub fn bind(path: &Path, drive: Arc<Drive>) -> Result<Self, ServeError> {
+        if path.exists() {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(ServeError::SocketInUse(path.to_path_buf()));
+            }
+            let _ = std::fs::remove_file(path);
+        }
+        let listener = Listener::new(path, true).map_err(|source| ServeError::Listen {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let shutdown = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
+            .map_err(|e| ServeError::Poll(e))?;
+        Ok(Server {
+            drive,
+            path: path.to_path_buf(),
+            listener,
+            shutdown: Arc::new(shutdown),
+            connections: 0,
+        })
+    }
+
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle(self.shutdown.clone())
+    }
+
+    pub fn drive(&self) -> &Arc<Drive> {
+        &self.drive
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Serves frontends one after another until shutdown. On shutdown the current connection
+    /// is drained (every popped request completes) before the socket closes, so a frontend that
+    /// reconnects later replays nothing.
+    pub fn run(&mut self) -> Result<(), ServeError> {
+        let stop = AtomicBool::new(false);
+        while !stop.load(Ordering::Relaxed) {
+            match wait_readable(self.listener.as_raw_fd(), self.shutdown.as_raw_fd())
+                .map_err(ServeError::Poll)?
+            {
+                Ready::Shutdown => break,
+                Ready::Fd => {}
+            }
+            let conn = Arc::new(Mutex::new(Connection::new(self.drive.clone())));
+            let mut bl = BackendListener::new(&mut self.listener, conn.clone())
+                .map_err(ServeError::Accept)?;
+            let Some(mut handler) = bl.accept().map_err(ServeError::Accept)? else {
+                continue;
+            };
+            self.connections += 1;
+            info!(drive = %self.drive.config().name, socket = %self.path.display(), "frontend connected");
+            loop {
+                match wait_readable(handler.as_raw_fd(), self.shutdown.as_raw_fd()) {
+                    Ok(Ready::Fd) => {}
+                    Ok(Ready::Shutdown) => {
+                        stop.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                    Err(e) => {
+                        warn!("poll: {e}");
+                        break;
+                    }
+                }
+                match handler.handle_request() {
+                    Ok(()) => {}
+                    // The frontend's request was answered with an error; the stream is
+                    // intact, so the connection goes on.
+                    Err(
+                        e @ (VuError::InvalidParam
+                        | VuError::InvalidOperation(_)
+                        | VuError::InactiveFeature(_)
+                        | VuError::InactiveOperation(_)
+                        | VuError::ReqHandlerError(_)
+                        | VuError::FeatureMismatch
+                        | VuError::SocketRetry(_)),
+                    ) => {
+                        warn!(drive = %self.drive.config().name, "vhost-user request refused: {e}");
+                    }
+                    Err(VuError::Disconnected) => {
+                        info!(drive = %self.drive.config().name, "frontend disconnected");
+                        break;
+                    }
+                    Err(e) => {
+                        warn!(drive = %self.drive.config().name, "closing the connection: {e}");
+                        break;
+                    }
+                }
+            }
+            // Drain before the socket closes (dropping the handler closes it).
+            lock(&conn).stop_all();
+            drop(handler);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+enum Ready {
+    Fd,
+    Shutdown,
+}
+
+fn wait_readable(fd: RawFd, shutdown: RawFd) -> io::Result<Ready> {
+    let mut fds = [
+        libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: shutdown,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    loop {
+        // SAFETY: fds is a valid array of two pollfd for the duration of the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if fds[1].revents != 0 {
+            return Ok(Ready::Shutdown);
+        }
+        if fds[0].revents != 0 {
+            return Ok(Ready::Fd);
+        }
+    }
+}

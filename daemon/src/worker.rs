@@ -1,0 +1,1047 @@
+//! The queue worker: one thread per virtqueue.
+//!
+//! ```text
+//! kick eventfd ──► pop every available chain ──► split/validate ──► engine.push (no syscall)
+//!                                                                  └─► one submit per batch
+//! engine completion fd ──► reap every completion ──► status byte, used ring ──► one call per batch
+//! control eventfd ──► pause (drain) / resume on another engine / stop (drain, hand the ring back)
+//! ```
+//!
+//! Guest input is hostile: chains are split by `virtio_blk::split_chain` into bounded vectors,
+//! every guest range is mapped through `vm-memory` (out-of-range -> IOERR), and nothing is
+//! allocated with a size the guest chose. Buffers that O_DIRECT cannot use (misaligned) go
+//! through a fixed per-queue bounce pool, chunk by chunk.
+
+use std::collections::VecDeque;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tracing::{debug, error, warn};
+use virtio_queue::{DescriptorChain, Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::drive::{lock, DiscardMode, Drive};
+use crate::engine::{Engine, IoOp, QueueIo};
+use crate::virtio_blk::{
+    self, split_chain, Desc, DwzSegment, Header, Layout, Op, Seg, DWZ_SEGMENT_LEN, HEADER_LEN,
+    S_IOERR, S_OK, S_UNSUPP, T_DISCARD, T_WRITE_ZEROES,
+};
+
+pub type Mem = GuestMemoryMmap<()>;
+/// The guest memory map, replaced as a whole when the frontend changes it; requests in flight
+/// keep the map they started with alive.
+pub type MemHandle = Arc<Mutex<Arc<Mem>>>;
+/// The call eventfd, which the frontend may replace while the queue runs.
+pub type CallHandle = Arc<Mutex<Option<EventFd>>>;
+
+/// Most data segments (descriptor pieces) one request may have. seg_max is 126; indirect
+/// tables may hold more, up to this bound; longer requests get IOERR.
+pub const MAX_SEGS: usize = 1024;
+/// Most iovecs one operation may have (the kernel's UIO_MAXIOV).
+const MAX_IOV: usize = 1024;
+/// Bounce pool: buffers per queue and bytes per buffer. A bounced request holds one buffer
+/// and moves its data through it in chunks of this size.
+const BOUNCE_BUFS: usize = 8;
+const BOUNCE_SIZE: usize = 256 * 1024;
+const BOUNCE_ALIGN: usize = 4096;
+
+const TOKEN_KICK: u64 = 0;
+const TOKEN_IO: u64 = 1;
+const TOKEN_CTL: u64 = 2;
+
+/// The control side of a worker, shared with the vhost-user handler and with engine switches.
+pub struct QueueCtl {
+    index: usize,
+    depth: u32,
+    wake: EventFd,
+    st: Mutex<CtlState>,
+    cv: Condvar,
+}
+
+type NextEngine = (Box<dyn QueueIo>, Arc<dyn Engine>);
+
+#[derive(Default)]
+struct CtlState {
+    pause: bool,
+    stop: bool,
+    /// The worker saw the pause or stop and has nothing in flight.
+    drained: bool,
+    exited: bool,
+    next: Option<NextEngine>,
+}
+
+impl QueueCtl {
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    fn poke(&self) {
+        if let Err(e) = self.wake.write(1) {
+            error!(queue = self.index, "cannot wake worker: {e}");
+        }
+    }
+
+    /// Stop popping new requests; in-flight ones go on to completion.
+    pub fn request_pause(&self) {
+        let mut st = lock(&self.st);
+        st.pause = true;
+        st.drained = false;
+        drop(st);
+        self.poke();
+    }
+
+    /// Waits until the worker is paused with nothing in flight (or has exited).
+    pub fn wait_drained(&self, deadline: Instant) -> bool {
+        let mut st = lock(&self.st);
+        while !(st.drained || st.exited) {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// Ends a pause, on a new engine context when `next` is given.
+    pub fn resume(&self, next: Option<NextEngine>) {
+        let mut st = lock(&self.st);
+        st.pause = false;
+        st.drained = false;
+        st.next = next;
+        drop(st);
+        self.poke();
+    }
+
+    fn request_stop(&self) {
+        lock(&self.st).stop = true;
+        self.poke();
+    }
+}
+
+/// A running worker. [`WorkerHandle::stop`] drains it and gives the ring back.
+pub struct WorkerHandle {
+    ctl: Arc<QueueCtl>,
+    thread: JoinHandle<Queue>,
+}
+
+impl WorkerHandle {
+    /// Stops popping, waits until every popped request has completed and is in the used
+    /// ring, and returns the queue (its `next_avail` is then exact: nothing to replay).
+    pub fn stop(self) -> Queue {
+        self.ctl.request_stop();
+        match self.thread.join() {
+            Ok(q) => q,
+            Err(_) => {
+                error!(queue = self.ctl.index, "queue worker panicked");
+                Queue::new(1).expect("a queue of size 1 is valid")
+            }
+        }
+    }
+
+    pub fn ctl(&self) -> &Arc<QueueCtl> {
+        &self.ctl
+    }
+}
+
+pub struct WorkerParams {
+    pub drive: Arc<Drive>,
+    pub index: usize,
+    pub queue: Queue,
+    pub mem: MemHandle,
+    pub kick: EventFd,
+    pub call: CallHandle,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("cannot create the worker's eventfd or epoll set")]
+    Setup(#[source] std::io::Error),
+    #[error("the engine could not open queue {0}")]
+    Engine(usize, #[source] crate::engine::EngineError),
+    #[error("cannot spawn the thread of queue {0}")]
+    Spawn(usize, #[source] std::io::Error),
+}
+
+/// Starts the worker thread of one queue.
+pub fn spawn(p: WorkerParams) -> Result<WorkerHandle, WorkerError> {
+    let depth = u32::from(p.queue.size());
+    let ctl = Arc::new(QueueCtl {
+        index: p.index,
+        depth,
+        wake: EventFd::new(EFD_NONBLOCK).map_err(WorkerError::Setup)?,
+        st: Mutex::new(CtlState::default()),
+        cv: Condvar::new(),
+    });
+    let (io, engine) = p
+        .drive
+        .attach_worker(&ctl, depth)
+        .map_err(|e| WorkerError::Engine(p.index, e))?;
+    let epoll = Epoll::new().map_err(WorkerError::Setup)?;
+    let add = |fd, token| {
+        epoll.ctl(
+            ControlOperation::Add,
+            fd,
+            EpollEvent::new(EventSet::IN, token),
+        )
+    };
+    let setup = add(p.kick.as_raw_fd(), TOKEN_KICK)
+        .and_then(|_| add(io.completion_fd(), TOKEN_IO))
+        .and_then(|_| add(ctl.wake.as_raw_fd(), TOKEN_CTL));
+    if let Err(e) = setup {
+        p.drive.detach_worker(&ctl);
+        return Err(WorkerError::Setup(e));
+    }
+    let ctl2 = ctl.clone();
+    let name = format!("{}-q{}", p.drive.config().name, p.index);
+    let drive = p.drive.clone();
+    let thread = std::thread::Builder::new()
+        .name(name.chars().take(15).collect())
+        .spawn(move || {
+            let mut w = Worker::new(p, ctl2, io, engine, epoll);
+            w.run();
+            w.finish()
+        });
+    match thread {
+        Ok(thread) => Ok(WorkerHandle { ctl, thread }),
+        Err(e) => {
+            drive.detach_worker(&ctl);
+            Err(WorkerError::Spawn(ctl.index, e))
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// readv/writev straight on guest memory.
+    Direct,
+    /// Through a bounce buffer, chunk by chunk.
+    Bounce,
+    Flush,
+    Fallocate(i32),
+}
+
+struct Slot {
+    head: u16,
+    status: u64,
+    used_len: u32,
+    op: Op,
+    stage: Stage,
+    /// Bytes of the data already transferred (short transfers, bounce chunks).
+    done: u64,
+    /// For bounce: write zeroes instead of guest data.
+    zero_fill: bool,
+    bounce: Option<usize>,
+    iov: Vec<libc::iovec>,
+    segs: Vec<Seg>,
+    mem: Option<Arc<Mem>>,
+}
+
+impl Slot {
+    fn new() -> Self {
+        Slot {
+            head: 0,
+            status: 0,
+            used_len: 0,
+            op: Op::Flush,
+            stage: Stage::Flush,
+            done: 0,
+            zero_fill: false,
+            bounce: None,
+            iov: Vec::new(),
+            segs: Vec::new(),
+            mem: None,
+        }
+    }
+
+    fn total(&self) -> u64 {
+        match self.op {
+            Op::Read { len, .. }
+            | Op::Write { len, .. }
+            | Op::WriteZeroes { len, .. }
+            | Op::Discard { len, .. } => len,
+            _ => 0,
+        }
+    }
+
+    fn offset(&self) -> u64 {
+        match self.op {
+            Op::Read { offset, .. }
+            | Op::Write { offset, .. }
+            | Op::WriteZeroes { offset, .. }
+            | Op::Discard { offset, .. } => offset,
+            _ => 0,
+        }
+    }
+}
+
+/// A fixed set of aligned buffers, allocated on first use.
+struct BouncePool {
+    bufs: Vec<Vec<u8>>,
+    free: Vec<usize>,
+}
+
+impl BouncePool {
+    fn take(&mut self) -> Option<usize> {
+        if self.bufs.is_empty() {
+            self.bufs = (0..BOUNCE_BUFS)
+                .map(|_| vec![0u8; BOUNCE_SIZE + BOUNCE_ALIGN])
+                .collect();
+            self.free = (0..BOUNCE_BUFS).collect();
+        }
+        self.free.pop()
+    }
+
+    fn buf(&mut self, i: usize) -> &mut [u8] {
+        let b = &mut self.bufs[i];
+        let off = b.as_ptr().align_offset(BOUNCE_ALIGN);
+        &mut b[off..off + BOUNCE_SIZE]
+    }
+}
+
+struct Worker {
+    drive: Arc<Drive>,
+    index: usize,
+    queue: Queue,
+    mem: MemHandle,
+    kick: EventFd,
+    call: CallHandle,
+    ctl: Arc<QueueCtl>,
+    io: Box<dyn QueueIo>,
+    engine: Arc<dyn Engine>,
+    epoll: Epoll,
+    slots: Vec<Slot>,
+    free: Vec<usize>,
+    in_flight: usize,
+    layout: Layout,
+    completions: Vec<(u64, i32)>,
+    bounce: BouncePool,
+    bounce_wait: VecDeque<usize>,
+    id: [u8; virtio_blk::ID_BYTES],
+    paused: bool,
+    stopping: bool,
+    acked: bool,
+    /// Stopped popping because no slot was free.
+    starved: bool,
+    used_added: bool,
+}
+
+impl Worker {
+    fn new(
+        p: WorkerParams,
+        ctl: Arc<QueueCtl>,
+        io: Box<dyn QueueIo>,
+        engine: Arc<dyn Engine>,
+        epoll: Epoll,
+    ) -> Self {
+        let n = usize::from(p.queue.size()).max(1);
+        let id = virtio_blk::id_bytes(&p.drive.config().serial);
+        Worker {
+            index: p.index,
+            drive: p.drive,
+            queue: p.queue,
+            mem: p.mem,
+            kick: p.kick,
+            call: p.call,
+            ctl,
+            io,
+            engine,
+            epoll,
+            slots: (0..n).map(|_| Slot::new()).collect(),
+            free: (0..n).rev().collect(),
+            in_flight: 0,
+            layout: Layout::with_capacity(MAX_SEGS),
+            completions: Vec::with_capacity(n),
+            bounce: BouncePool {
+                bufs: Vec::new(),
+                free: Vec::new(),
+            },
+            bounce_wait: VecDeque::new(),
+            id,
+            paused: false,
+            stopping: false,
+            acked: false,
+            starved: false,
+            used_added: false,
+        }
+    }
+
+    fn run(&mut self) {
+        // The frontend may have queued requests (and kicked) before this worker existed.
+        self.process_avail();
+        self.notify();
+        let mut events = vec![EpollEvent::default(); 8];
+        loop {
+            if (self.paused || self.stopping) && self.in_flight == 0 && !self.acked {
+                self.acked = true;
+                let mut st = lock(&self.ctl.st);
+                st.drained = true;
+                self.ctl.cv.notify_all();
+            }
+            if self.stopping && self.in_flight == 0 {
+                return;
+            }
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    error!(queue = self.index, "epoll failed: {e}");
+                    return;
+                }
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_KICK => {
+                        let _ = self.kick.read();
+                        self.process_avail();
+                    }
+                    TOKEN_IO => self.reap(),
+                    TOKEN_CTL => {
+                        let _ = self.ctl.wake.read();
+                        self.control();
+                    }
+                    _ => {}
+                }
+            }
+            self.notify();
+        }
+    }
+
+    fn finish(self) -> Queue {
+        self.drive.detach_worker(&self.ctl);
+        let mut st = lock(&self.ctl.st);
+        st.exited = true;
+        self.ctl.cv.notify_all();
+        drop(st);
+        self.queue
+    }
+
+    fn control(&mut self) {
+        let mut st = lock(&self.ctl.st);
+        if st.stop {
+            self.stopping = true;
+        }
+        if st.pause && !self.paused {
+            self.paused = true;
+            self.acked = false;
+        }
+        if !st.pause && self.paused {
+            self.paused = false;
+            self.acked = false;
+            let next = st.next.take();
+            drop(st);
+            if let Some((io, engine)) = next {
+                self.replace_engine(io, engine);
+            }
+            self.process_avail();
+        }
+    }
+
+    fn replace_engine(&mut self, io: Box<dyn QueueIo>, engine: Arc<dyn Engine>) {
+        debug_assert_eq!(self.in_flight, 0);
+        let _ = self
+            .epoll
+            .ctl(ControlOperation::Delete, self.io.completion_fd(), EpollEvent::default());
+        if let Err(e) = self.epoll.ctl(
+            ControlOperation::Add,
+            io.completion_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_IO),
+        ) {
+            error!(queue = self.index, "cannot watch the new engine: {e}");
+        }
+        self.io = io;
+        self.engine = engine;
+    }
+
+    fn memory(&self) -> Arc<Mem> {
+        lock(&self.mem).clone()
+    }
+
+    /// Pops every available request (while slots are free), starts them, submits once.
+    fn process_avail(&mut self) {
+        if self.paused || self.stopping {
+            return;
+        }
+        let mem = self.memory();
+        self.starved = false;
+        loop {
+            if let Err(e) = self.queue.disable_notification(&*mem) {
+                warn!(queue = self.index, "disable_notification: {e}");
+            }
+            while !self.free.is_empty() {
+                let Some(chain) = self.queue.pop_descriptor_chain(&*mem) else {
+                    break;
+                };
+                self.start_request(chain, &mem);
+            }
+            if self.free.is_empty() {
+                // Resumed from `reap` once a slot frees; the ring keeps the rest.
+                self.starved = true;
+                break;
+            }
+            match self.queue.enable_notification(&*mem) {
+                Ok(true) => continue,
+                Ok(false) => break,
+                Err(e) => {
+                    warn!(queue = self.index, "enable_notification: {e}");
+                    break;
+                }
+            }
+        }
+        self.submit();
+    }
+
+    fn submit(&mut self) {
+        if let Err(e) = self.io.submit() {
+            error!(queue = self.index, "engine submit failed: {e}");
+        }
+    }
+
+    fn start_request(&mut self, chain: DescriptorChain<&Mem>, mem: &Arc<Mem>) {
+        let head = chain.head_index();
+        let descs = chain.map(|d| Desc {
+            addr: d.addr().0,
+            len: d.len(),
+            writable: d.is_write_only(),
+        });
+        let split = split_chain(descs, MAX_SEGS, &mut self.layout);
+        let status = self.layout.status;
+        let decoded = match split {
+            Ok(()) => self.decode(mem),
+            Err(e) => {
+                debug!(queue = self.index, head, "malformed chain: {e}");
+                Err(S_IOERR)
+            }
+        };
+        let Some(idx) = self.free.pop() else {
+            // process_avail pops only while a slot is free.
+            return;
+        };
+        self.in_flight += 1;
+        self.drive.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        let slot = &mut self.slots[idx];
+        slot.head = head;
+        slot.status = status.unwrap_or(u64::MAX);
+        slot.used_len = 1;
+        slot.done = 0;
+        slot.zero_fill = false;
+        slot.bounce = None;
+        slot.mem = Some(mem.clone());
+        match decoded {
+            Err(st) => self.complete(idx, st),
+            Ok(op) => {
+                self.slots[idx].op = op;
+                self.dispatch(idx);
+            }
+        }
+    }
+
+    /// Reads the header (and the discard/write-zeroes segment) and validates the request.
+    fn decode(&mut self, mem: &Mem) -> Result<Op, u8> {
+        let mut hb = [0u8; HEADER_LEN as usize];
+        copy_from_guest(mem, &self.layout.header, 0, &mut hb).map_err(|_| S_IOERR)?;
+        let h = Header::from_bytes(&hb);
+        let dwz = if matches!(h.req_type, T_DISCARD | T_WRITE_ZEROES)
+            && self.layout.readable_data_len == u64::from(DWZ_SEGMENT_LEN)
+        {
+            let mut sb = [0u8; DWZ_SEGMENT_LEN as usize];
+            copy_from_guest(mem, &self.layout.readable_data, 0, &mut sb).map_err(|_| S_IOERR)?;
+            Some(DwzSegment::from_bytes(&sb))
+        } else {
+            None
+        };
+        virtio_blk::validate(&self.drive.config().geometry(), h, &self.layout, dwz)
+    }
+
+    fn dispatch(&mut self, idx: usize) {
+        let op = self.slots[idx].op;
+        let stats = &self.drive.stats;
+        match op {
+            Op::GetId => {
+                stats.get_ids.fetch_add(1, Ordering::Relaxed);
+                let mem = self.slots[idx].mem.clone().expect("set at start");
+                let n = (self.layout.writable_data_len as usize).min(self.id.len());
+                let st = match copy_to_guest(&mem, &self.layout.writable_data, 0, &self.id[..n]) {
+                    Ok(()) => {
+                        self.slots[idx].used_len = n as u32 + 1;
+                        S_OK
+                    }
+                    Err(()) => S_IOERR,
+                };
+                self.complete(idx, st);
+            }
+            Op::Flush => {
+                stats.flushes.fetch_add(1, Ordering::Relaxed);
+                self.slots[idx].stage = Stage::Flush;
+                self.push(idx, IoOp::Flush);
+            }
+            Op::Discard { offset, len } => {
+                stats.discards.fetch_add(1, Ordering::Relaxed);
+                if self.drive.config().discard == DiscardMode::Ignore || len == 0 {
+                    return self.complete(idx, S_OK);
+                }
+                let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+                self.slots[idx].stage = Stage::Fallocate(mode);
+                self.push(idx, IoOp::Fallocate { offset, len, mode });
+            }
+            Op::WriteZeroes { offset, len, unmap } => {
+                stats.write_zeroes.fetch_add(1, Ordering::Relaxed);
+                if len == 0 {
+                    return self.complete(idx, S_OK);
+                }
+                let mode = if unmap && self.drive.config().discard == DiscardMode::Unmap {
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+                } else {
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+                };
+                self.slots[idx].stage = Stage::Fallocate(mode);
+                self.push(idx, IoOp::Fallocate { offset, len, mode });
+            }
+            Op::Read { len, .. } | Op::Write { len, .. } => {
+                let read = matches!(op, Op::Read { .. });
+                if read {
+                    stats.reads.fetch_add(1, Ordering::Relaxed);
+                    self.slots[idx].used_len = (len as u32).wrapping_add(1);
+                } else {
+                    stats.writes.fetch_add(1, Ordering::Relaxed);
+                }
+                if len == 0 {
+                    return self.complete(idx, S_OK);
+                }
+                let segs = if read {
+                    &self.layout.writable_data
+                } else {
+                    &self.layout.readable_data
+                };
+                let align = self.engine.buffer_alignment() as usize;
+                let slot = &mut self.slots[idx];
+                slot.segs.clear();
+                slot.segs.extend_from_slice(segs);
+                match build_iovecs(slot.mem.as_deref().expect("set"), segs, &mut slot.iov) {
+                    Err(()) => return self.complete(idx, S_IOERR),
+                    Ok(aligned) if aligned || align <= 1 => {}
+                    Ok(_) if iov_aligned(&slot.iov, align) => {}
+                    Ok(_) => {
+                        slot.stage = Stage::Bounce;
+                        stats.bounced.fetch_add(1, Ordering::Relaxed);
+                        return self.start_bounce(idx);
+                    }
+                }
+                slot.stage = Stage::Direct;
+                self.push_rw(idx);
+            }
+        }
+    }
+
+    /// (Re)submits the direct readv/writev of a slot from its current progress.
+    fn push_rw(&mut self, idx: usize) {
+        let dsync = !self.drive.writeback();
+        let slot = &self.slots[idx];
+        let offset = slot.offset() + slot.done;
+        let (iov, iovcnt) = (slot.iov.as_ptr(), slot.iov.len() as u32);
+        let op = match slot.op {
+            Op::Read { .. } => IoOp::Readv {
+                offset,
+                iov,
+                iovcnt,
+            },
+            _ => IoOp::Writev {
+                offset,
+                iov,
+                iovcnt,
+                dsync,
+            },
+        };
+        self.push(idx, op);
+    }
+
+    fn push(&mut self, idx: usize, op: IoOp) {
+        // SAFETY: the iovecs live in `self.slots[idx].iov` and point into guest memory kept
+        // mapped by `self.slots[idx].mem`, or into this worker's bounce buffers; neither is
+        // touched or freed until the completion for `idx` is reaped.
+        let ok = unsafe { self.io.push(&op, idx as u64) };
+        if !ok {
+            // Cannot happen while in-flight <= depth; answer rather than lose the request.
+            error!(queue = self.index, "engine queue full");
+            self.complete(idx, S_IOERR);
+        }
+    }
+
+    fn start_bounce(&mut self, idx: usize) {
+        match self.bounce.take() {
+            Some(b) => {
+                self.slots[idx].bounce = Some(b);
+                self.bounce_chunk(idx);
+            }
+            None => self.bounce_wait.push_back(idx),
+        }
+    }
+
+    /// Submits the next chunk of a bounced request.
+    fn bounce_chunk(&mut self, idx: usize) {
+        let slot = &mut self.slots[idx];
+        let b = slot.bounce.expect("bounce buffer held");
+        let n = ((slot.total() - slot.done) as usize).min(BOUNCE_SIZE);
+        let offset = slot.offset() + slot.done;
+        let read = matches!(slot.op, Op::Read { .. });
+        let buf = self.bounce.buf(b);
+        if !read {
+            if slot.zero_fill {
+                buf[..n].fill(0);
+            } else if copy_from_guest(
+                slot.mem.as_deref().expect("set"),
+                &slot.segs,
+                slot.done,
+                &mut buf[..n],
+            )
+            .is_err()
+            {
+                return self.complete(idx, S_IOERR);
+            }
+        }
+        slot.iov.clear();
+        slot.iov.push(libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: n,
+        });
+        let (iov, iovcnt) = (slot.iov.as_ptr(), 1);
+        let op = if read {
+            IoOp::Readv {
+                offset,
+                iov,
+                iovcnt,
+            }
+        } else {
+            IoOp::Writev {
+                offset,
+                iov,
+                iovcnt,
+                dsync: !self.drive.writeback(),
+            }
+        };
+        self.push(idx, op);
+    }
+
+    fn reap(&mut self) {
+        let mut done = std::mem::take(&mut self.completions);
+        done.clear();
+        self.io.reap(&mut done);
+        for &(token, res) in &done {
+            let idx = token as usize;
+            if idx >= self.slots.len() || self.slots[idx].mem.is_none() {
+                error!(queue = self.index, token, "completion for no request");
+                continue;
+            }
+            self.on_completion(idx, res);
+        }
+        self.completions = done;
+        self.submit();
+        if self.starved {
+            self.process_avail();
+        }
+    }
+
+    fn on_completion(&mut self, idx: usize, res: i32) {
+        let stage = self.slots[idx].stage;
+        match stage {
+            Stage::Flush => self.complete(idx, if res < 0 { S_IOERR } else { S_OK }),
+            Stage::Fallocate(mode) => self.on_fallocate(idx, mode, res),
+            Stage::Direct => {
+                if res <= 0 {
+                    self.io_error(idx, res);
+                    return;
+                }
+                let slot = &mut self.slots[idx];
+                slot.done += res as u64;
+                if slot.done >= slot.total() {
+                    return self.complete(idx, S_OK);
+                }
+                // Short transfer: go on from where it stopped.
+                advance_iov(&mut slot.iov, res as usize);
+                self.push_rw(idx);
+            }
+            Stage::Bounce => {
+                if res <= 0 {
+                    self.io_error(idx, res);
+                    return;
+                }
+                let n = res as usize;
+                let slot = &mut self.slots[idx];
+                let b = slot.bounce.expect("bounce buffer held");
+                if matches!(slot.op, Op::Read { .. }) {
+                    let buf = self.bounce.buf(b);
+                    if copy_to_guest(
+                        slot.mem.as_deref().expect("set"),
+                        &slot.segs,
+                        slot.done,
+                        &buf[..n],
+                    )
+                    .is_err()
+                    {
+                        return self.complete(idx, S_IOERR);
+                    }
+                }
+                slot.done += n as u64;
+                if slot.done >= slot.total() {
+                    self.complete(idx, S_OK);
+                } else {
+                    self.bounce_chunk(idx);
+                }
+            }
+        }
+    }
+
+    fn on_fallocate(&mut self, idx: usize, mode: i32, res: i32) {
+        if res >= 0 {
+            return self.complete(idx, S_OK);
+        }
+        let unsupported = res == -libc::EOPNOTSUPP || res == -libc::EINVAL;
+        match self.slots[idx].op {
+            // Discard is a hint: a file system that cannot punch holes did nothing wrong.
+            Op::Discard { .. } if unsupported => self.complete(idx, S_OK),
+            Op::WriteZeroes { offset, len, .. } if unsupported => {
+                let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+                if mode != punch && !self.engine.is_block_device() {
+                    // tmpfs has no ZERO_RANGE; a punched hole of a regular file reads as zeroes.
+                    self.slots[idx].stage = Stage::Fallocate(punch);
+                    self.push(idx, IoOp::Fallocate {
+                        offset,
+                        len,
+                        mode: punch,
+                    });
+                } else {
+                    // Last resort: write zeroes through the bounce pool.
+                    let slot = &mut self.slots[idx];
+                    slot.stage = Stage::Bounce;
+                    slot.zero_fill = true;
+                    slot.op = Op::Write { offset, len };
+                    self.start_bounce(idx);
+                }
+            }
+            _ => self.io_error(idx, res),
+        }
+    }
+
+    fn io_error(&mut self, idx: usize, res: i32) {
+        let e = std::io::Error::from_raw_os_error(-res);
+        warn!(drive = %self.drive.config().name, queue = self.index, op = ?self.slots[idx].op, "I/O failed: {}", if res == 0 { "unexpected end of file".to_string() } else { e.to_string() });
+        self.complete(idx, S_IOERR);
+    }
+
+    /// Writes the status byte (last), puts the head in the used ring, frees the slot.
+    fn complete(&mut self, idx: usize, status: u8) {
+        let stats = &self.drive.stats;
+        match status {
+            S_OK => match self.slots[idx].op {
+                Op::Read { len, .. } => {
+                    stats.bytes_read.fetch_add(len, Ordering::Relaxed);
+                }
+                Op::Write { len, .. } => {
+                    stats.bytes_written.fetch_add(len, Ordering::Relaxed);
+                }
+                _ => {}
+            },
+            S_UNSUPP => {
+                stats.unsupported.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {
+                stats.io_errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let ring_mem = self.memory();
+        let slot = &mut self.slots[idx];
+        let mem = slot.mem.take().expect("request in flight");
+        if status != S_OK {
+            slot.used_len = 1;
+        }
+        if slot.status != u64::MAX && mem.write_obj(status, GuestAddress(slot.status)).is_err() {
+            debug!(queue = self.index, "status byte outside guest memory");
+        }
+        if let Err(e) = self.queue.add_used(&*ring_mem, slot.head, slot.used_len) {
+            warn!(queue = self.index, "add_used: {e}");
+        }
+        slot.op = Op::Flush;
+        let freed_bounce = slot.bounce.take();
+        self.used_added = true;
+        self.free.push(idx);
+        self.in_flight -= 1;
+        if let Some(b) = freed_bounce {
+            // Hand the buffer to the oldest request waiting for one.
+            match self.bounce_wait.pop_front() {
+                Some(next) => {
+                    self.slots[next].bounce = Some(b);
+                    self.bounce_chunk(next);
+                }
+                None => self.bounce.free.push(b),
+            }
+        }
+    }
+
+    /// One call per batch, when the driver wants one (EVENT_IDX).
+    fn notify(&mut self) {
+        if !self.used_added {
+            return;
+        }
+        self.used_added = false;
+        let mem = self.memory();
+        match self.queue.needs_notification(&*mem) {
+            Ok(true) => {
+                if let Some(call) = lock(&self.call).as_ref() {
+                    if let Err(e) = call.write(1) {
+                        warn!(queue = self.index, "call eventfd: {e}");
+                    }
+                }
+            }
+            Ok(false) => {}
+            Err(e) => warn!(queue = self.index, "needs_notification: {e}"),
+        }
+    }
+}
+
+/// Maps guest ranges to host iovecs. Returns whether the ranges were mapped, and whether every
+/// piece is 512-aligned in address and length (the common case, checked again against the
+/// engine's own alignment when that is not 512).
+fn build_iovecs(mem: &Mem, segs: &[Seg], iov: &mut Vec<libc::iovec>) -> Result<bool, ()> {
+    iov.clear();
+    let mut aligned = true;
+    for s in segs {
+        for vs in GuestMemoryBackend::get_slices(mem, GuestAddress(s.addr), s.len as usize) {
+            let vs = vs.map_err(|_| ())?;
+            if iov.len() >= MAX_IOV {
+                return Err(());
+            }
+            let base = vs.ptr_guard_mut().as_ptr();
+            aligned &= (base as usize) % 512 == 0 && vs.len() % 512 == 0;
+            iov.push(libc::iovec {
+                iov_base: base.cast(),
+                iov_len: vs.len(),
+            });
+        }
+    }
+    Ok(aligned)
+}
+
+fn iov_aligned(iov: &[libc::iovec], align: usize) -> bool {
+    iov.iter()
+        .all(|v| (v.iov_base as usize) % align == 0 && v.iov_len % align == 0)
+}
+
+/// Drops the first `n` bytes of an iovec list.
+fn advance_iov(iov: &mut Vec<libc::iovec>, mut n: usize) {
+    let mut consumed = 0;
+    for v in iov.iter_mut() {
+        if n >= v.iov_len {
+            n -= v.iov_len;
+            consumed += 1;
+        } else {
+            // SAFETY: n < iov_len, so the new base stays inside the same buffer.
+            v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n).cast() };
+            v.iov_len -= n;
+            break;
+        }
+    }
+    iov.drain(..consumed);
+}
+
+/// Copies guest bytes, starting `skip` bytes into `segs`, into `dst` (which must be covered).
+fn copy_from_guest(mem: &Mem, segs: &[Seg], skip: u64, dst: &mut [u8]) -> Result<(), ()> {
+    walk_segs(segs, skip, dst.len(), |addr, pos, n| {
+        mem.read_slice(&mut dst[pos..pos + n], GuestAddress(addr))
+            .map_err(|_| ())
+    })
+}
+
+/// Copies `src` into guest memory, starting `skip` bytes into `segs`.
+fn copy_to_guest(mem: &Mem, segs: &[Seg], skip: u64, src: &[u8]) -> Result<(), ()> {
+    walk_segs(segs, skip, src.len(), |addr, pos, n| {
+        mem.write_slice(&src[pos..pos + n], GuestAddress(addr))
+            .map_err(|_| ())
+    })
+}
+
+/// Calls `f(guest_addr, buf_pos, n)` for each piece of `len` bytes of `segs` after `skip`.
+fn walk_segs(
+    segs: &[Seg],
+    mut skip: u64,
+    len: usize,
+    mut f: impl FnMut(u64, usize, usize) -> Result<(), ()>,
+) -> Result<(), ()> {
+    let mut pos = 0;
+    for s in segs {
+        if pos == len {
+            break;
+        }
+        let sl = u64::from(s.len);
+        if skip >= sl {
+            skip -= sl;
+            continue;
+        }
+        let n = ((sl - skip) as usize).min(len - pos);
+        f(s.addr.checked_add(skip).ok_or(())?, pos, n)?;
+        pos += n;
+        skip = 0;
+    }
+    if pos == len {
+        Ok(())
+    } else {
+        Err(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn walk_segs_skips_and_splits() {
+        let segs = [
+            Seg { addr: 100, len: 4 },
+            Seg { addr: 200, len: 4 },
+            Seg { addr: 300, len: 4 },
+        ];
+        let mut seen = vec![];
+        walk_segs(&segs, 6, 5, |a, p, n| {
+            seen.push((a, p, n));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, vec![(202, 0, 2), (300, 2, 3)]);
+        assert!(walk_segs(&segs, 10, 5, |_, _, _| Ok(())).is_err());
+    }
+
+    #[test]
+    fn advance_iov_partial() {
+        let mut buf = [0u8; 64];
+        let p = buf.as_mut_ptr();
+        let mut iov = vec![
+            libc::iovec {
+                iov_base: p.cast(),
+                iov_len: 16,
+            },
+            libc::iovec {
+                // SAFETY: inside `buf`.
+                iov_base: unsafe { p.add(16) }.cast(),
+                iov_len: 16,
+            },
+        ];
+        advance_iov(&mut iov, 20);
+        assert_eq!(iov.len(), 1);
+        assert_eq!(iov[0].iov_len, 12);
+        // SAFETY: inside `buf`.
+        assert_eq!(iov[0].iov_base, unsafe { p.add(20) }.cast());
+    }
+}
