@@ -226,14 +226,20 @@ impl Engine for FileEngine {
         let ring_err = |source| EngineError::Ring { queue, source };
         let entries = depth.clamp(8, 4096).next_power_of_two();
         let mut b = IoUring::builder();
-        b.setup_single_issuer().setup_coop_taskrun();
+        // SINGLE_ISSUER makes the submitting task the ring's owner; the ring is created here
+        // (by the vhost-user thread or a switch) but used by the queue's worker, so it starts
+        // disabled and the worker enables it on its first submission (R_DISABLED).
+        b.setup_single_issuer().setup_coop_taskrun().setup_r_disabled();
         // CQ twice the SQ (the default): in-flight never exceeds `entries`, so it cannot
         // overflow.
         let ring = match b.build(entries) {
             Ok(r) => r,
             // Older kernels lack SINGLE_ISSUER or COOP_TASKRUN: plain ring.
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                IoUring::new(entries).map_err(ring_err)?
+                IoUring::builder()
+                    .setup_r_disabled()
+                    .build(entries)
+                    .map_err(ring_err)?
             }
             Err(e) => return Err(ring_err(e)),
         };
@@ -249,6 +255,7 @@ impl Engine for FileEngine {
             done,
             _file: self.file.clone(),
             queued: 0,
+            enabled: false,
         }))
     }
 }
@@ -259,6 +266,8 @@ struct RingQueue {
     // Keeps the registered file open for the ring's lifetime.
     _file: Arc<File>,
     queued: u32,
+    /// Enabled by the first submission, from the worker thread that owns the ring.
+    enabled: bool,
 }
 
 const FIXED_FILE: types::Fixed = types::Fixed(0);
@@ -305,6 +314,10 @@ impl QueueIo for RingQueue {
     fn submit(&mut self) -> io::Result<()> {
         if self.queued == 0 {
             return Ok(());
+        }
+        if !self.enabled {
+            self.ring.submitter().register_enable_rings()?;
+            self.enabled = true;
         }
         loop {
             match self.ring.submit() {

@@ -1,1 +1,711 @@
+//! A vhost-user-blk frontend and virtio driver in one, for tests and benchmarks: it plays
+//! QEMU (the `vhost` crate's `Frontend`: memfd memory table, vrings, config) and the guest's
+//! virtio_blk driver (split rings in that shared memory, requests, EVENT_IDX), against any
+//! vhost-user-blk server: acceld, or qemu-storage-daemon for comparison.
+//!
+//! Guest-physical layout of the shared memory:
+//! - `RING_BASE + q * RING_STRIDE`: queue q's descriptor table, avail ring, used ring;
+//! - `SLOT_BASE + (q * queue_size + tag) * slot_size`: request `tag`'s area: header, status,
+//!   an indirect table, then `max_data` bytes of data.
 
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::Path;
+use std::sync::atomic::{fence, Ordering};
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+pub use acceld::virtio_blk::{
+    S_IOERR, S_OK, S_UNSUPP, T_DISCARD, T_FLUSH, T_GET_ID, T_IN, T_OUT, T_WRITE_ZEROES,
+};
+
+pub const RING_BASE: u64 = 0x1000;
+pub const RING_STRIDE: u64 = 0x10000;
+pub const SLOT_BASE: u64 = 0x40_0000;
+/// Per-slot room before the data: header at +0, status at +64, indirect table at +128.
+const SLOT_HDR: u64 = 4096;
+
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+pub const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
+pub const VIRTIO_RING_F_INDIRECT_DESC: u64 = 1 << 28;
+pub const VIRTIO_F_NOTIFY_ON_EMPTY: u64 = 1 << 24;
+pub const VHOST_F_LOG_ALL: u64 = 1 << 26;
+pub const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
+
+const VRING_DESC_F_NEXT: u16 = 1;
+const VRING_DESC_F_WRITE: u16 = 2;
+const VRING_DESC_F_INDIRECT: u16 = 4;
+
+#[derive(Debug, Error)]
+pub enum FrontendError {
+    #[error("cannot connect to {path}")]
+    Connect {
+        path: String,
+        #[source]
+        source: vhost::Error,
+    },
+    #[error("vhost-user {what} failed")]
+    Protocol {
+        what: &'static str,
+        #[source]
+        source: vhost::Error,
+    },
+    #[error("the server does not offer {0}")]
+    MissingFeature(&'static str),
+    #[error("cannot create the shared guest memory")]
+    Memory(#[source] io::Error),
+    #[error("no completion on queue {queue} within {timeout:?}")]
+    Timeout { queue: usize, timeout: Duration },
+    #[error("request too large: {0} bytes")]
+    TooLarge(usize),
+    #[error("no free descriptors or slots on queue {0}")]
+    Full(usize),
+}
+
+fn proto(what: &'static str) -> impl FnOnce(vhost::Error) -> FrontendError {
+    move |source| FrontendError::Protocol { what, source }
+}
+
+/// Shared memory playing the guest's RAM (memfd, MAP_SHARED).
+pub struct GuestMem {
+    file: File,
+    ptr: *mut u8,
+    size: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; all access goes through volatile reads and
+// writes with bounds checks, and the pointer stays valid until drop.
+unsafe impl Send for GuestMem {}
+// SAFETY: as above; concurrent access is to disjoint slots or through the ring protocol.
+unsafe impl Sync for GuestMem {}
+
+impl GuestMem {
+    pub fn new(size: usize) -> io::Result<Self> {
+        // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"accel-guest".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh descriptor we own.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(size as u64)?;
+        // SAFETY: a new shared mapping of our memfd; the result is checked.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(GuestMem {
+            file,
+            ptr: ptr.cast(),
+            size,
+        })
+    }
+
+    fn check(&self, gpa: u64, len: usize) -> usize {
+        let off = gpa as usize;
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.size),
+            "guest access {gpa:#x}+{len} outside memory"
+        );
+        off
+    }
+
+    pub fn write(&self, gpa: u64, data: &[u8]) {
+        let off = self.check(gpa, data.len());
+        // SAFETY: in bounds (checked); the region is ours and shared with the backend, which
+        // only touches buffers we handed it.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off), data.len()) };
+    }
+
+    pub fn read(&self, gpa: u64, out: &mut [u8]) {
+        let off = self.check(gpa, out.len());
+        // SAFETY: in bounds (checked).
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), out.as_mut_ptr(), out.len()) };
+    }
+
+    pub fn fill(&self, gpa: u64, len: usize, byte: u8) {
+        let off = self.check(gpa, len);
+        // SAFETY: in bounds (checked).
+        unsafe { std::ptr::write_bytes(self.ptr.add(off), byte, len) };
+    }
+
+    fn w16(&self, gpa: u64, v: u16) {
+        let off = self.check(gpa, 2);
+        // SAFETY: in bounds and 2-aligned (ring fields are).
+        unsafe { std::ptr::write_volatile(self.ptr.add(off).cast::<u16>(), v.to_le()) };
+    }
+
+    fn r16(&self, gpa: u64) -> u16 {
+        let off = self.check(gpa, 2);
+        // SAFETY: in bounds and 2-aligned.
+        u16::from_le(unsafe { std::ptr::read_volatile(self.ptr.add(off).cast::<u16>()) })
+    }
+
+    fn r32(&self, gpa: u64) -> u32 {
+        let off = self.check(gpa, 4);
+        // SAFETY: in bounds and 4-aligned.
+        u32::from_le(unsafe { std::ptr::read_volatile(self.ptr.add(off).cast::<u32>()) })
+    }
+
+    fn desc(&self, gpa: u64, addr: u64, len: u32, flags: u16, next: u16) {
+        let mut d = [0u8; 16];
+        d[0..8].copy_from_slice(&addr.to_le_bytes());
+        d[8..12].copy_from_slice(&len.to_le_bytes());
+        d[12..14].copy_from_slice(&flags.to_le_bytes());
+        d[14..16].copy_from_slice(&next.to_le_bytes());
+        self.write(gpa, &d);
+    }
+
+    fn host_addr(&self) -> u64 {
+        self.ptr as u64
+    }
+}
+
+impl Drop for GuestMem {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping created in `new`.
+        unsafe { libc::munmap(self.ptr.cast(), self.size) };
+    }
+}
+
+/// One buffer of a chain: guest address, length, device-writable.
+#[derive(Clone, Copy, Debug)]
+pub struct Buf {
+    pub addr: u64,
+    pub len: u32,
+    pub writable: bool,
+}
+
+/// A used-ring entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Used {
+    pub head: u16,
+    pub len: u32,
+}
+
+struct DriverQueue {
+    size: u16,
+    desc: u64,
+    avail: u64,
+    used: u64,
+    free_desc: Vec<u16>,
+    /// Descriptors of each in-flight chain, by head.
+    chains: Vec<Vec<u16>>,
+    avail_idx: u16,
+    last_used: u16,
+    kick: EventFd,
+    call: EventFd,
+}
+
+/// Options of a frontend connection.
+#[derive(Clone, Debug)]
+pub struct FrontendOptions {
+    pub queues: usize,
+    pub queue_size: u16,
+    /// Largest data buffer per request.
+    pub max_data: usize,
+    /// Negotiate EVENT_IDX when offered.
+    pub event_idx: bool,
+}
+
+impl Default for FrontendOptions {
+    fn default() -> Self {
+        FrontendOptions {
+            queues: 1,
+            queue_size: 128,
+            max_data: 128 * 1024,
+            event_idx: true,
+        }
+    }
+}
+
+/// What the server said during the handshake.
+#[derive(Clone, Debug)]
+pub struct Negotiated {
+    pub features: u64,
+    pub acked_features: u64,
+    pub protocol_features: u64,
+    pub queue_num: u64,
+    /// The first 60 bytes of the config space.
+    pub config: Vec<u8>,
+}
+
+impl Negotiated {
+    pub fn capacity_sectors(&self) -> u64 {
+        u64::from_le_bytes(self.config[0..8].try_into().expect("8 bytes"))
+    }
+}
+
+/// A connected vhost-user-blk frontend with running queues.
+pub struct BlkFrontend {
+    fe: Frontend,
+    pub mem: GuestMem,
+    queues: Vec<DriverQueue>,
+    opts: FrontendOptions,
+    slot_size: u64,
+    pub negotiated: Negotiated,
+}
+
+/// Protocol features the test frontend uses when offered.
+pub fn wanted_protocol_features() -> VhostUserProtocolFeatures {
+    VhostUserProtocolFeatures::MQ
+        | VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::REPLY_ACK
+}
+
+/// Connects and performs only the handshake (features, protocol features, config), as QEMU
+/// does when it realizes the device.
+pub fn handshake(path: &Path, queues: usize) -> Result<(Frontend, Negotiated), FrontendError> {
+    let mut fe = Frontend::connect(path, queues as u64).map_err(|source| {
+        FrontendError::Connect {
+            path: path.display().to_string(),
+            source,
+        }
+    })?;
+    fe.set_owner().map_err(proto("SET_OWNER"))?;
+    let features = fe.get_features().map_err(proto("GET_FEATURES"))?;
+    if features & VHOST_USER_F_PROTOCOL_FEATURES == 0 {
+        return Err(FrontendError::MissingFeature("VHOST_USER_F_PROTOCOL_FEATURES"));
+    }
+    let pf = fe
+        .get_protocol_features()
+        .map_err(proto("GET_PROTOCOL_FEATURES"))?;
+    if !pf.contains(VhostUserProtocolFeatures::CONFIG) {
+        return Err(FrontendError::MissingFeature("VHOST_USER_PROTOCOL_F_CONFIG"));
+    }
+    fe.set_protocol_features(pf & wanted_protocol_features())
+        .map_err(proto("SET_PROTOCOL_FEATURES"))?;
+    let queue_num = fe.get_queue_num().map_err(proto("GET_QUEUE_NUM"))?;
+    let (_, config) = fe
+        .get_config(0, 60, VhostUserConfigFlags::empty(), &[0u8; 60])
+        .map_err(proto("GET_CONFIG"))?;
+    Ok((
+        fe,
+        Negotiated {
+            features,
+            acked_features: 0,
+            protocol_features: pf.bits(),
+            queue_num,
+            config,
+        },
+    ))
+}
+
+impl BlkFrontend {
+    pub fn connect(path: &Path, opts: FrontendOptions) -> Result<Self, FrontendError> {
+        let (fe, mut negotiated) = handshake(path, opts.queues)?;
+        if negotiated.queue_num < opts.queues as u64 {
+            return Err(FrontendError::MissingFeature("enough queues"));
+        }
+        let mut ack = negotiated.features
+            & (VIRTIO_F_VERSION_1
+                | VIRTIO_RING_F_INDIRECT_DESC
+                | VHOST_USER_F_PROTOCOL_FEATURES
+                | 0x7fff);
+        if opts.event_idx {
+            ack |= negotiated.features & VIRTIO_RING_F_EVENT_IDX;
+        }
+        fe.set_features(ack).map_err(proto("SET_FEATURES"))?;
+        negotiated.acked_features = ack;
+        let slot_size = SLOT_HDR + opts.max_data.next_multiple_of(4096) as u64;
+        let slots = opts.queues as u64 * u64::from(opts.queue_size);
+        let size = SLOT_BASE + slots * slot_size;
+        let mem = GuestMem::new(size as usize).map_err(FrontendError::Memory)?;
+        let region = VhostUserMemoryRegionInfo {
+            guest_phys_addr: 0,
+            memory_size: size,
+            userspace_addr: mem.host_addr(),
+            mmap_offset: 0,
+            mmap_handle: mem.file.as_raw_fd(),
+        };
+        fe.set_mem_table(&[region]).map_err(proto("SET_MEM_TABLE"))?;
+        let mut me = BlkFrontend {
+            fe,
+            mem,
+            queues: Vec::new(),
+            opts,
+            slot_size,
+            negotiated,
+        };
+        for q in 0..me.opts.queues {
+            me.start_queue(q)?;
+        }
+        Ok(me)
+    }
+
+    fn start_queue(&mut self, q: usize) -> Result<(), FrontendError> {
+        let n = self.opts.queue_size;
+        let base = RING_BASE + q as u64 * RING_STRIDE;
+        let desc = base;
+        let avail = desc + 16 * u64::from(n);
+        let used = (avail + 6 + 2 * u64::from(n)).next_multiple_of(4);
+        assert!(used + 6 + 8 * u64::from(n) <= base + RING_STRIDE);
+        self.mem.fill(base, RING_STRIDE as usize, 0);
+        let kick = EventFd::new(EFD_NONBLOCK).map_err(FrontendError::Memory)?;
+        let call = EventFd::new(EFD_NONBLOCK).map_err(FrontendError::Memory)?;
+        let host = self.mem.host_addr();
+        self.fe
+            .set_vring_num(q, n)
+            .map_err(proto("SET_VRING_NUM"))?;
+        self.fe
+            .set_vring_base(q, 0)
+            .map_err(proto("SET_VRING_BASE"))?;
+        self.fe
+            .set_vring_addr(
+                q,
+                &VringConfigData {
+                    queue_max_size: n,
+                    queue_size: n,
+                    flags: 0,
+                    desc_table_addr: host + desc,
+                    used_ring_addr: host + used,
+                    avail_ring_addr: host + avail,
+                    log_addr: None,
+                },
+            )
+            .map_err(proto("SET_VRING_ADDR"))?;
+        self.fe
+            .set_vring_kick(q, &kick)
+            .map_err(proto("SET_VRING_KICK"))?;
+        self.fe
+            .set_vring_call(q, &call)
+            .map_err(proto("SET_VRING_CALL"))?;
+        self.fe
+            .set_vring_enable(q, true)
+            .map_err(proto("SET_VRING_ENABLE"))?;
+        let dq = DriverQueue {
+            size: n,
+            desc,
+            avail,
+            used,
+            free_desc: (0..n).rev().collect(),
+            chains: vec![Vec::new(); usize::from(n)],
+            avail_idx: 0,
+            last_used: 0,
+            kick,
+            call,
+        };
+        if q < self.queues.len() {
+            self.queues[q] = dq;
+        } else {
+            self.queues.push(dq);
+        }
+        Ok(())
+    }
+
+    pub fn queues(&self) -> usize {
+        self.queues.len()
+    }
+
+    pub fn queue_size(&self) -> u16 {
+        self.opts.queue_size
+    }
+
+    pub fn max_data(&self) -> usize {
+        self.opts.max_data
+    }
+
+    pub fn frontend(&mut self) -> &mut Frontend {
+        &mut self.fe
+    }
+
+    /// Guest address of request slot `tag` of queue `q`: (header, status, indirect table,
+    /// data).
+    pub fn slot(&self, q: usize, tag: u16) -> SlotAddrs {
+        let base =
+            SLOT_BASE + (q as u64 * u64::from(self.opts.queue_size) + u64::from(tag)) * self.slot_size;
+        SlotAddrs {
+            header: base,
+            status: base + 64,
+            indirect: base + 128,
+            data: base + SLOT_HDR,
+        }
+    }
+
+    /// Puts a chain in the avail ring (direct descriptors, or one indirect table placed at
+    /// `indirect`), kicks, returns the head.
+    pub fn submit_chain(
+        &mut self,
+        q: usize,
+        bufs: &[Buf],
+        indirect: Option<u64>,
+    ) -> Result<u16, FrontendError> {
+        let dq = &mut self.queues[q];
+        let need = if indirect.is_some() { 1 } else { bufs.len() };
+        if dq.free_desc.len() < need || need == 0 {
+            return Err(FrontendError::Full(q));
+        }
+        let ids: Vec<u16> = (0..need).map(|_| dq.free_desc.pop().expect("checked")).collect();
+        match indirect {
+            Some(table) => {
+                for (i, b) in bufs.iter().enumerate() {
+                    let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
+                    if i + 1 < bufs.len() {
+                        flags |= VRING_DESC_F_NEXT;
+                    }
+                    self.mem
+                        .desc(table + 16 * i as u64, b.addr, b.len, flags, i as u16 + 1);
+                }
+                self.mem.desc(
+                    dq.desc + 16 * u64::from(ids[0]),
+                    table,
+                    16 * bufs.len() as u32,
+                    VRING_DESC_F_INDIRECT,
+                    0,
+                );
+            }
+            None => {
+                for (i, b) in bufs.iter().enumerate() {
+                    let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
+                    let next = ids.get(i + 1).copied().unwrap_or(0);
+                    if i + 1 < bufs.len() {
+                        flags |= VRING_DESC_F_NEXT;
+                    }
+                    self.mem
+                        .desc(dq.desc + 16 * u64::from(ids[i]), b.addr, b.len, flags, next);
+                }
+            }
+        }
+        let head = ids[0];
+        dq.chains[usize::from(head)] = ids;
+        let slot = u64::from(dq.avail_idx % dq.size);
+        self.mem.w16(dq.avail + 4 + 2 * slot, head);
+        fence(Ordering::Release);
+        dq.avail_idx = dq.avail_idx.wrapping_add(1);
+        self.mem.w16(dq.avail + 2, dq.avail_idx);
+        fence(Ordering::SeqCst);
+        let _ = dq.kick.write(1);
+        Ok(head)
+    }
+
+    /// Hostile chains: writes raw descriptors (flags and `next` as given, `next` being an index
+    /// into `descs`, mapped to the real descriptor ids) and publishes the first as the head.
+    pub fn submit_raw(
+        &mut self,
+        q: usize,
+        descs: &[(u64, u32, u16, u16)],
+    ) -> Result<u16, FrontendError> {
+        let dq = &mut self.queues[q];
+        if dq.free_desc.len() < descs.len() || descs.is_empty() {
+            return Err(FrontendError::Full(q));
+        }
+        let ids: Vec<u16> = (0..descs.len())
+            .map(|_| dq.free_desc.pop().expect("checked"))
+            .collect();
+        for (i, &(addr, len, flags, next)) in descs.iter().enumerate() {
+            let next_id = ids.get(usize::from(next)).copied().unwrap_or(next);
+            self.mem
+                .desc(dq.desc + 16 * u64::from(ids[i]), addr, len, flags, next_id);
+        }
+        let head = ids[0];
+        dq.chains[usize::from(head)] = ids;
+        let slot = u64::from(dq.avail_idx % dq.size);
+        self.mem.w16(dq.avail + 4 + 2 * slot, head);
+        fence(Ordering::Release);
+        dq.avail_idx = dq.avail_idx.wrapping_add(1);
+        self.mem.w16(dq.avail + 2, dq.avail_idx);
+        fence(Ordering::SeqCst);
+        let _ = dq.kick.write(1);
+        Ok(head)
+    }
+
+    /// Harvests the used ring without waiting.
+    pub fn poll_used(&mut self, q: usize, out: &mut Vec<Used>) {
+        let dq = &mut self.queues[q];
+        let used_idx = self.mem.r16(dq.used + 2);
+        fence(Ordering::Acquire);
+        while dq.last_used != used_idx {
+            let e = dq.used + 4 + 8 * u64::from(dq.last_used % dq.size);
+            let head = self.mem.r32(e) as u16;
+            let len = self.mem.r32(e + 4);
+            dq.last_used = dq.last_used.wrapping_add(1);
+            if let Some(ids) = dq.chains.get_mut(usize::from(head)) {
+                dq.free_desc.extend(ids.drain(..));
+            }
+            out.push(Used { head, len });
+        }
+        // EVENT_IDX: interrupt me at the next completion.
+        let used_event = dq.avail + 4 + 2 * u64::from(dq.size);
+        self.mem.w16(used_event, dq.last_used);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Waits for at least one completion (through the call eventfd), up to `timeout`.
+    pub fn wait_used(
+        &mut self,
+        q: usize,
+        out: &mut Vec<Used>,
+        timeout: Duration,
+    ) -> Result<(), FrontendError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let before = out.len();
+            self.poll_used(q, out);
+            // Re-check after publishing used_event, to not miss a completion in between.
+            self.poll_used(q, out);
+            if out.len() > before {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(FrontendError::Timeout { queue: q, timeout });
+            }
+            let mut pfd = libc::pollfd {
+                fd: self.queues[q].call.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let ms = (deadline - now).as_millis().min(1000) as i32;
+            // SAFETY: one valid pollfd for the duration of the call.
+            unsafe { libc::poll(&mut pfd, 1, ms.max(1)) };
+            let _ = self.queues[q].call.read();
+        }
+    }
+
+    /// Raw call eventfd of a queue (for tests that check notifications).
+    pub fn call_fd(&self, q: usize) -> &EventFd {
+        &self.queues[q].call
+    }
+
+    /// One synchronous request in slot 0 of queue `q`: the header, then `out` as readable
+    /// data, then `in_len` writable bytes, then the status. Returns (status, data, used len).
+    pub fn request(
+        &mut self,
+        q: usize,
+        req_type: u32,
+        sector: u64,
+        out: &[u8],
+        in_len: usize,
+    ) -> Result<(u8, Vec<u8>, u32), FrontendError> {
+        if out.len() > self.opts.max_data || in_len > self.opts.max_data {
+            return Err(FrontendError::TooLarge(out.len().max(in_len)));
+        }
+        let s = self.slot(q, 0);
+        self.mem.write(s.header, &header(req_type, sector));
+        self.mem.write(s.status, &[0xff]);
+        let mut bufs = vec![Buf {
+            addr: s.header,
+            len: 16,
+            writable: false,
+        }];
+        if !out.is_empty() {
+            self.mem.write(s.data, out);
+            bufs.push(Buf {
+                addr: s.data,
+                len: out.len() as u32,
+                writable: false,
+            });
+        }
+        if in_len > 0 {
+            self.mem.fill(s.data, in_len, 0xee);
+            bufs.push(Buf {
+                addr: s.data,
+                len: in_len as u32,
+                writable: true,
+            });
+        }
+        bufs.push(Buf {
+            addr: s.status,
+            len: 1,
+            writable: true,
+        });
+        let (st, used) = self.submit_wait(q, &bufs, None)?;
+        let mut data = vec![0u8; in_len];
+        self.mem.read(s.data, &mut data);
+        Ok((st, data, used))
+    }
+
+    /// Submits one chain and waits for it; returns (byte at the chain's status address —
+    /// the last byte of its last writable buffer —, used length).
+    pub fn submit_wait(
+        &mut self,
+        q: usize,
+        bufs: &[Buf],
+        indirect: Option<u64>,
+    ) -> Result<(u8, u32), FrontendError> {
+        let head = self.submit_chain(q, bufs, indirect)?;
+        let mut used = Vec::new();
+        loop {
+            self.wait_used(q, &mut used, Duration::from_secs(10))?;
+            if let Some(u) = used.iter().find(|u| u.head == head) {
+                let status = bufs
+                    .iter()
+                    .rev()
+                    .find(|b| b.writable && b.len > 0)
+                    .map(|b| {
+                        let mut s = [0u8];
+                        self.mem.read(b.addr + u64::from(b.len) - 1, &mut s);
+                        s[0]
+                    })
+                    .unwrap_or(0xff);
+                return Ok((status, u.len));
+            }
+        }
+    }
+
+    pub fn get_vring_base(&mut self, q: usize) -> Result<u32, FrontendError> {
+        self.fe.get_vring_base(q).map_err(proto("GET_VRING_BASE"))
+    }
+}
+
+/// Addresses of one request slot.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotAddrs {
+    pub header: u64,
+    pub status: u64,
+    pub indirect: u64,
+    pub data: u64,
+}
+
+pub fn header(req_type: u32, sector: u64) -> [u8; 16] {
+    let mut h = [0u8; 16];
+    h[0..4].copy_from_slice(&req_type.to_le_bytes());
+    h[8..16].copy_from_slice(&sector.to_le_bytes());
+    h
+}
+
+pub fn dwz_segment(sector: u64, num_sectors: u32, flags: u32) -> [u8; 16] {
+    let mut s = [0u8; 16];
+    s[0..8].copy_from_slice(&sector.to_le_bytes());
+    s[8..12].copy_from_slice(&num_sectors.to_le_bytes());
+    s[12..16].copy_from_slice(&flags.to_le_bytes());
+    s
+}
+
+/// The verification pattern: every 8 bytes hold (byte offset on disk ^ seed), so any block
+/// read back names where it came from.
+pub fn pattern(disk_offset: u64, seed: u64, buf: &mut [u8]) {
+    for (i, c) in buf.chunks_mut(8).enumerate() {
+        let v = (disk_offset + 8 * i as u64) ^ seed;
+        c.copy_from_slice(&v.to_le_bytes()[..c.len()]);
+    }
+}
+
+/// Checks a buffer against [`pattern`]; returns the disk offset of the first bad byte.
+pub fn check_pattern(disk_offset: u64, seed: u64, buf: &[u8]) -> Result<(), u64> {
+    for (i, c) in buf.chunks(8).enumerate() {
+        let v = (disk_offset + 8 * i as u64) ^ seed;
+        if c != &v.to_le_bytes()[..c.len()] {
+            return Err(disk_offset + 8 * i as u64);
+        }
+    }
+    Ok(())
+}
+
+pub mod harness;
+pub mod load;
