@@ -24,6 +24,8 @@ pub struct LoadSpec {
     /// Seed the initial content was written with (see [`fill_image`]).
     pub initial_seed: u64,
     pub rng_seed: u64,
+    /// Stop when this becomes true (in addition to `requests` and `duration`).
+    pub stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -38,6 +40,39 @@ pub struct LoadReport {
     pub mismatch_count: u64,
     pub elapsed: Duration,
     pub latency: Histogram,
+    /// What each block must hold at the end: (block, seed of its pattern); u64::MAX where a
+    /// write failed and the content is unknown.
+    pub final_model: Vec<u64>,
+}
+
+impl LoadReport {
+    /// Checks an image against the final model (host side, after the load).
+    pub fn verify_image(&self, path: &std::path::Path, block_size: u32) -> Result<u64, String> {
+        use std::io::Read;
+        let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+        let mut buf = vec![0u8; block_size as usize];
+        let mut checked = 0;
+        for (b, &seed) in self.final_model.iter().enumerate() {
+            f.read_exact(&mut buf).map_err(|e| e.to_string())?;
+            if seed == u64::MAX {
+                continue;
+            }
+            let off = b as u64 * u64::from(block_size);
+            check_pattern(off, seed, &buf)
+                .map_err(|at| format!("image block {b} differs at byte {at}"))?;
+            checked += 1;
+        }
+        Ok(checked)
+    }
+}
+
+impl LoadReport {
+    pub fn summary(&self) -> String {
+        format!(
+            "{} reads, {} writes, {} errors, {} mismatches in {:?}",
+            self.reads, self.writes, self.errors, self.mismatch_count, self.elapsed
+        )
+    }
 }
 
 impl LoadReport {
@@ -194,7 +229,11 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
     let mut seed_counter = spec.rng_seed << 20;
     loop {
         let stop = spec.requests.is_some_and(|n| issued >= n)
-            || spec.duration.is_some_and(|d| start.elapsed() >= d);
+            || spec.duration.is_some_and(|d| start.elapsed() >= d)
+            || spec
+                .stop
+                .as_ref()
+                .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed));
         // Refill every queue to its depth.
         let mut in_flight = 0;
         for (q, st) in qs.iter_mut().enumerate() {
@@ -280,6 +319,9 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
         }
     }
     rep.elapsed = start.elapsed();
+    for st in &qs {
+        rep.final_model.extend_from_slice(&st.model);
+    }
     Ok(rep)
 }
 

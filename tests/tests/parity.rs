@@ -1,0 +1,118 @@
+//! Parity with QEMU 10's own vhost-user-blk export (qemu-storage-daemon) on the same image:
+//! the guest-visible feature bits and config space must match, except what acceld documents
+//! as not implemented (VHOST_F_LOG_ALL and the protocol features it does not offer).
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use accel_tests::harness::{ServerOptions, TestServer};
+use accel_tests::{handshake, Negotiated, VHOST_F_LOG_ALL};
+
+struct Qsd(Child);
+
+impl Drop for Qsd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn qsd(image: &Path, socket: &Path, queues: u16, writable: bool, lbs: u32) -> Qsd {
+    let child = Command::new("qemu-storage-daemon")
+        .arg("--blockdev")
+        .arg(format!(
+            "driver=file,node-name=file0,filename={},cache.direct=on",
+            image.display()
+        ))
+        .args(["--blockdev", "driver=raw,node-name=disk0,file=file0"])
+        .arg("--export")
+        .arg(format!(
+            "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path={},writable={},num-queues={queues},logical-block-size={lbs}",
+            socket.display(),
+            if writable { "on" } else { "off" }
+        ))
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("qemu-storage-daemon must be installed (qemu-utils); .ci/run installs it");
+    let t0 = Instant::now();
+    while !socket.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "qsd did not create its socket");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Qsd(child)
+}
+
+fn names(bits: u64, table: &[(u64, &str)]) -> Vec<String> {
+    table
+        .iter()
+        .filter(|(b, _)| bits & b != 0)
+        .map(|(_, n)| n.to_string())
+        .collect()
+}
+
+const PROTO: &[(u64, &str)] = &[
+    (1 << 0, "MQ"),
+    (1 << 1, "LOG_SHMFD"),
+    (1 << 2, "RARP"),
+    (1 << 3, "REPLY_ACK"),
+    (1 << 4, "MTU"),
+    (1 << 5, "BACKEND_REQ"),
+    (1 << 6, "CROSS_ENDIAN"),
+    (1 << 7, "CRYPTO_SESSION"),
+    (1 << 8, "PAGEFAULT"),
+    (1 << 9, "CONFIG"),
+    (1 << 10, "BACKEND_SEND_FD"),
+    (1 << 11, "HOST_NOTIFIER"),
+    (1 << 12, "INFLIGHT_SHMFD"),
+    (1 << 13, "RESET_DEVICE"),
+    (1 << 15, "CONFIGURE_MEM_SLOTS"),
+];
+
+fn compare(queues: u16, read_only: bool, lbs: u32) {
+    let s = TestServer::start(ServerOptions {
+        queues,
+        read_only,
+        logical_block_size: lbs,
+        size: 96 << 20,
+        ..Default::default()
+    });
+    let qsd_sock = s.dir.path().join("qsd.sock");
+    let _q = qsd(&s.image, &qsd_sock, queues, !read_only, lbs);
+    let (_fe_q, theirs): (_, Negotiated) = handshake(&qsd_sock, queues.into()).unwrap();
+    let (_fe_a, ours): (_, Negotiated) = handshake(&s.socket, queues.into()).unwrap();
+    println!(
+        "queues={queues} read_only={read_only} lbs={lbs}\n  features  qsd {:#x} acceld {:#x}\n  protocol  qsd {:?}\n            acceld {:?}\n  config    qsd {:02x?}\n            acceld {:02x?}",
+        theirs.features,
+        ours.features,
+        names(theirs.protocol_features, PROTO),
+        names(ours.protocol_features, PROTO),
+        theirs.config,
+        ours.config
+    );
+    assert_eq!(
+        ours.features,
+        theirs.features & !VHOST_F_LOG_ALL,
+        "feature bits differ beyond VHOST_F_LOG_ALL"
+    );
+    assert_eq!(ours.protocol_features & !theirs.protocol_features, 0, "acceld offers a protocol feature QEMU does not");
+    let missing = names(theirs.protocol_features & !ours.protocol_features, PROTO);
+    assert_eq!(
+        missing,
+        ["LOG_SHMFD", "BACKEND_REQ", "PAGEFAULT", "BACKEND_SEND_FD", "HOST_NOTIFIER"],
+        "protocol features acceld does not implement changed"
+    );
+    assert_eq!(ours.queue_num, theirs.queue_num);
+    assert_eq!(ours.config, theirs.config, "config space differs");
+}
+
+#[test]
+fn parity_two_queues_writable_512() {
+    compare(2, false, 512);
+}
+
+#[test]
+fn parity_one_queue_read_only_4096() {
+    compare(1, true, 4096);
+}
