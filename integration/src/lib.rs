@@ -1,0 +1,313 @@
+//! Real-QEMU scenarios: the tiny guest (built by `guest/build.sh`), acceld as a real process,
+//! and QEMU (TCG) booting the guest with its disk on acceld's socket.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+/// The integration crate's folder.
+pub fn crate_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Builds the guest kernel and initramfs if they are missing; returns (vmlinuz, initramfs).
+pub fn ensure_guest() -> Result<(PathBuf, PathBuf)> {
+    let out = crate_dir().join("out");
+    let script = crate_dir().join("guest/build.sh");
+    let st = Command::new("bash")
+        .arg(&script)
+        .arg(&out)
+        .status()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !st.success() {
+        bail!("{} failed ({st})", script.display());
+    }
+    Ok((out.join("vmlinuz"), out.join("initramfs.cpio.gz")))
+}
+
+/// The acceld binary of this workspace build (or `ACCELD_BIN`).
+pub fn acceld_bin() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("ACCELD_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    // target/<profile>/deps/<test> or target/<profile>/<bin>
+    for dir in exe.ancestors().skip(1).take(3) {
+        let cand = dir.join("acceld");
+        if cand.is_file() {
+            return Ok(cand);
+        }
+    }
+    bail!("acceld binary not found next to {}; run `cargo build -p acceld` or set ACCELD_BIN", exe.display())
+}
+
+/// acceld running as its own process.
+pub struct Acceld {
+    child: Child,
+    pub socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Acceld {
+    /// `acceld serve --socket SOCKET ARGS…`, returning once the socket exists.
+    pub fn serve(socket: &Path, args: &[&str], log: &Path) -> Result<Self> {
+        let logf = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)?;
+        let child = Command::new(acceld_bin()?)
+            .arg("serve")
+            .arg("--socket")
+            .arg(socket)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone()?)
+            .stderr(logf)
+            .spawn()
+            .context("spawning acceld")?;
+        let mut me = Acceld {
+            child,
+            socket: socket.to_path_buf(),
+            log: log.to_path_buf(),
+        };
+        let t0 = Instant::now();
+        while std::os::unix::net::UnixStream::connect(socket).is_err() {
+            if let Some(st) = me.child.try_wait()? {
+                bail!("acceld exited ({st}): {}", me.log_text());
+            }
+            if t0.elapsed() > Duration::from_secs(10) {
+                bail!("acceld did not listen within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(me)
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, then wait (it drains first); returns its exit status.
+    pub fn terminate(&mut self) -> Result<std::process::ExitStatus> {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait()? {
+                return Ok(st);
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                let _ = self.child.kill();
+                bail!("acceld did not exit within 30 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Acceld {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// One vhost-user-blk disk of the guest.
+pub struct GuestDisk {
+    pub socket: PathBuf,
+    pub queues: u16,
+}
+
+pub struct GuestSpec<'a> {
+    pub disks: &'a [GuestDisk],
+    /// Shell script the guest runs (busybox sh).
+    pub script: &'a str,
+    pub mem_mb: u32,
+    pub timeout: Duration,
+}
+
+/// A booted guest; its serial output arrives line by line.
+pub struct Guest {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    pub output: Vec<String>,
+}
+
+fn b64(data: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut s = String::new();
+    for c in data.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= c.len() {
+                s.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                s.push('=');
+            }
+        }
+    }
+    s
+}
+
+impl Guest {
+    pub fn boot(spec: &GuestSpec) -> Result<Self> {
+        let (kernel, initrd) = ensure_guest()?;
+        let mem = format!("{}M", spec.mem_mb);
+        let mut cmd = Command::new("qemu-system-x86_64");
+        cmd.args(["-machine", "q35,accel=tcg,memory-backend=mem", "-m", &mem])
+            .arg("-object")
+            .arg(format!("memory-backend-memfd,id=mem,size={mem},share=on"))
+            .args(["-smp", "2", "-nodefaults", "-no-user-config", "-display", "none"])
+            .args(["-no-reboot", "-serial", "stdio"])
+            .arg("-kernel")
+            .arg(kernel)
+            .arg("-initrd")
+            .arg(initrd)
+            .arg("-append")
+            .arg(format!(
+                "console=ttyS0 panic=-1 quiet testcmd={}",
+                b64(spec.script.as_bytes())
+            ));
+        for (i, d) in spec.disks.iter().enumerate() {
+            cmd.arg("-chardev").arg(format!(
+                "socket,id=vub{i},path={},reconnect-ms=1000",
+                d.socket.display()
+            ));
+            cmd.arg("-device").arg(format!(
+                "vhost-user-blk-pci,chardev=vub{i},id=vdisk{i},num-queues={}",
+                d.queues
+            ));
+        }
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("spawning qemu-system-x86_64 (apt-get install qemu-system-x86)")?;
+        let (tx, rx) = mpsc::channel();
+        let out = child.stdout.take().expect("piped");
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(|l| l.ok()) {
+                let _ = tx.send(l);
+            }
+        });
+        let mut err = child.stderr.take().expect("piped");
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            for l in s.lines() {
+                let _ = tx2.send(format!("qemu: {l}"));
+            }
+        });
+        Ok(Guest {
+            child,
+            lines: rx,
+            output: Vec::new(),
+        })
+    }
+
+    /// Waits for a serial line containing `needle`, up to `timeout`.
+    pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.output.push(l.clone());
+                    if l.contains(needle) {
+                        return Ok(l);
+                    }
+                }
+                Err(_) => bail!(
+                    "guest did not print '{needle}' within {timeout:?}; output:\n{}",
+                    self.output.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// Waits for the guest to power off; returns all its output.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<Vec<String>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            while let Ok(l) = self.lines.try_recv() {
+                self.output.push(l);
+            }
+            if self.child.try_wait()?.is_some() {
+                // Drain what the readers still hold.
+                while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(200)) {
+                    self.output.push(l);
+                }
+                return Ok(self.output.clone());
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                bail!(
+                    "guest did not finish within {timeout:?}; output:\n{}",
+                    self.output.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// `key=value` lines the guest printed.
+pub fn guest_value(output: &[String], key: &str) -> Result<String> {
+    let p = format!("{key}=");
+    output
+        .iter()
+        .find_map(|l| l.trim().strip_prefix(&p).map(str::to_string))
+        .ok_or_else(|| anyhow!("guest printed no '{key}='; output:\n{}", output.join("\n")))
+}
+
+/// The guest script that reports the disk's geometry and writes, reads back and compares a
+/// pattern; prints `md5=` of what it wrote.
+pub fn report_and_verify_script(mib: u32) -> String {
+    format!(
+        r#"d=/sys/block/vda
+echo size=$(cat $d/size)
+echo serial=$(cat $d/serial)
+echo queues=$(ls $d/mq | wc -l)
+echo discard_max=$(cat $d/queue/discard_max_bytes)
+echo logical_block=$(cat $d/queue/logical_block_size)
+echo ro=$(cat $d/ro)
+dd if=/dev/urandom of=/tmp/p bs=1M count={mib} 2>/dev/null
+dd if=/tmp/p of=/dev/vda bs=1M oflag=direct 2>/dev/null || echo WRITE-FAILED
+dd if=/dev/vda of=/tmp/r bs=1M count={mib} iflag=direct 2>/dev/null || echo READ-FAILED
+cmp /tmp/p /tmp/r && echo verify=ok || echo verify=mismatch
+echo md5=$(md5sum /tmp/p | cut -d' ' -f1)
+"#
+    )
+}
+
+/// md5 of the first `len` bytes of a file, with the host's md5sum.
+pub fn host_md5(path: &Path, len: u64) -> Result<String> {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("head -c {len} '{}' | md5sum", path.display()))
+        .output()?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string())
+}
