@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use tracing::{info, warn};
 
-use crate::engine::{Engine, EngineError, QueueIo};
+use crate::engine::{Engine, EngineError};
 use crate::virtio_blk::{BlkConfig, DiskGeometry, SECTOR_SHIFT};
 use crate::worker::QueueCtl;
 
@@ -164,7 +164,7 @@ impl Drive {
         &self,
         ctl: &Arc<QueueCtl>,
         depth: u32,
-    ) -> Result<(Box<dyn QueueIo>, Arc<dyn Engine>), EngineError> {
+    ) -> Result<crate::worker::NextEngine, EngineError> {
         let _sw = lock(&self.switch_lock);
         let engine = self.engine();
         let io = engine.open_queue(ctl.index(), depth)?;

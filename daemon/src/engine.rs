@@ -229,18 +229,18 @@ impl Engine for FileEngine {
         // SINGLE_ISSUER makes the submitting task the ring's owner; the ring is created here
         // (by the vhost-user thread or a switch) but used by the queue's worker, so it starts
         // disabled and the worker enables it on its first submission (R_DISABLED).
-        b.setup_single_issuer().setup_coop_taskrun().setup_r_disabled();
+        b.setup_single_issuer()
+            .setup_coop_taskrun()
+            .setup_r_disabled();
         // CQ twice the SQ (the default): in-flight never exceeds `entries`, so it cannot
         // overflow.
         let ring = match b.build(entries) {
             Ok(r) => r,
             // Older kernels lack SINGLE_ISSUER or COOP_TASKRUN: plain ring.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                IoUring::builder()
-                    .setup_r_disabled()
-                    .build(entries)
-                    .map_err(ring_err)?
-            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => IoUring::builder()
+                .setup_r_disabled()
+                .build(entries)
+                .map_err(ring_err)?,
             Err(e) => return Err(ring_err(e)),
         };
         let done = EventFd::new(EFD_NONBLOCK).map_err(EngineError::EventFd)?;
@@ -328,9 +328,7 @@ impl QueueIo for RingQueue {
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                 // EBUSY/EAGAIN: the kernel is short of resources; completions will free some,
                 // and the worker submits again after reaping.
-                Err(e)
-                    if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) =>
-                {
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) => {
                     return Ok(())
                 }
                 Err(e) => return Err(e),

@@ -77,7 +77,11 @@ pub enum ServeCmdError {
     #[error("image {0} does not exist")]
     NoImage(PathBuf),
     #[error("image {path} holds {size} bytes, less than one {block}-byte block")]
-    TooSmall { path: PathBuf, size: u64, block: u32 },
+    TooSmall {
+        path: PathBuf,
+        size: u64,
+        block: u32,
+    },
     #[error("serial '{0}' is longer than 20 bytes")]
     SerialTooLong(String),
     #[error(transparent)]

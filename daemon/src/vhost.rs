@@ -29,7 +29,9 @@ use vhost::vhost_user::{
 };
 use vhost::VhostUserMemoryRegionBase;
 use virtio_bindings::bindings::virtio_config::{VIRTIO_F_NOTIFY_ON_EMPTY, VIRTIO_F_VERSION_1};
-use virtio_bindings::bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
+use virtio_bindings::bindings::virtio_ring::{
+    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap};
 use vmm_sys_util::eventfd::EventFd;
@@ -366,7 +368,9 @@ impl VhostUserBackendReqHandlerMut for Connection {
         let index = u32::from(index);
         self.vring(index)?;
         let Some(fd) = fd else {
-            return Err(VuError::InvalidOperation("polling mode (no kick fd) is not supported"));
+            return Err(VuError::InvalidOperation(
+                "polling mode (no kick fd) is not supported",
+            ));
         };
         self.stop_queue(index as usize);
         self.vrings[index as usize].kick = Some(file_to_eventfd(fd));
@@ -446,7 +450,12 @@ impl VhostUserBackendReqHandlerMut for Connection {
         Ok(out)
     }
 
-    fn set_config(&mut self, offset: u32, buf: &[u8], _flags: VhostUserConfigFlags) -> VuResult<()> {
+    fn set_config(
+        &mut self,
+        offset: u32,
+        buf: &[u8],
+        _flags: VhostUserConfigFlags,
+    ) -> VuResult<()> {
         // Only `writeback` is writable (VIRTIO_BLK_F_CONFIG_WCE).
         if offset as usize != CONFIG_WRITEBACK_OFFSET || buf.len() != 1 {
             return Err(VuError::InvalidParam);
@@ -460,18 +469,24 @@ impl VhostUserBackendReqHandlerMut for Connection {
     }
 
     fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> VuResult<File> {
-        Err(VuError::InvalidOperation("shared objects are not supported"))
+        Err(VuError::InvalidOperation(
+            "shared objects are not supported",
+        ))
     }
 
     fn get_inflight_fd(
         &mut self,
         _inflight: &VhostUserInflight,
     ) -> VuResult<(VhostUserInflight, File)> {
-        Err(VuError::InvalidOperation("INFLIGHT_SHMFD is not implemented yet"))
+        Err(VuError::InvalidOperation(
+            "INFLIGHT_SHMFD is not implemented yet",
+        ))
     }
 
     fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VuResult<()> {
-        Err(VuError::InvalidOperation("INFLIGHT_SHMFD is not implemented yet"))
+        Err(VuError::InvalidOperation(
+            "INFLIGHT_SHMFD is not implemented yet",
+        ))
     }
 
     fn get_max_mem_slots(&mut self) -> VuResult<u64> {
@@ -490,8 +505,11 @@ impl VhostUserBackendReqHandlerMut for Connection {
         if self.maps.len() as u64 >= MAX_MEM_SLOTS {
             return Err(VuError::InvalidParam);
         }
-        let r = GuestRegionMmap::new(region.mmap_region(fd)?, GuestAddress(region.guest_phys_addr))
-            .ok_or(VuError::InvalidParam)?;
+        let r = GuestRegionMmap::new(
+            region.mmap_region(fd)?,
+            GuestAddress(region.guest_phys_addr),
+        )
+        .ok_or(VuError::InvalidParam)?;
         self.maps.push(Mapping {
             gpa: region.guest_phys_addr,
             size: region.memory_size,
@@ -524,11 +542,15 @@ impl VhostUserBackendReqHandlerMut for Connection {
         _phase: VhostTransferStatePhase,
         _fd: File,
     ) -> VuResult<Option<File>> {
-        Err(VuError::InvalidOperation("device state transfer is not supported"))
+        Err(VuError::InvalidOperation(
+            "device state transfer is not supported",
+        ))
     }
 
     fn check_device_state(&mut self) -> VuResult<()> {
-        Err(VuError::InvalidOperation("device state transfer is not supported"))
+        Err(VuError::InvalidOperation(
+            "device state transfer is not supported",
+        ))
     }
 
     fn get_shmem_config(&mut self) -> VuResult<VhostUserShMemConfig> {
@@ -536,7 +558,9 @@ impl VhostUserBackendReqHandlerMut for Connection {
     }
 
     fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
-        Err(VuError::InvalidOperation("dirty logging is not implemented"))
+        Err(VuError::InvalidOperation(
+            "dirty logging is not implemented",
+        ))
     }
 }
 
@@ -575,8 +599,8 @@ impl Server {
             path: path.to_path_buf(),
             source,
         })?;
-        let shutdown = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
-            .map_err(|e| ServeError::Poll(e))?;
+        let shutdown =
+            EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).map_err(ServeError::Poll)?;
         Ok(Server {
             drive,
             path: path.to_path_buf(),

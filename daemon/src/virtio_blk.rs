@@ -212,7 +212,9 @@ pub fn split_chain(
         return Err(LayoutError::NoStatus);
     }
     if header_left > 0 {
-        return Err(LayoutError::ShortHeader(u64::from(HEADER_LEN) - header_left));
+        return Err(LayoutError::ShortHeader(
+            u64::from(HEADER_LEN) - header_left,
+        ));
     }
     if too_many {
         return Err(LayoutError::TooManySegments(max_segs));
@@ -536,8 +538,20 @@ mod tests {
     #[test]
     fn classic_three_descriptor_read() {
         let l = layout(&[r(0x1000, 16), w(0x2000, 4096), w(0x3000, 1)]).unwrap();
-        assert_eq!(l.header, vec![Seg { addr: 0x1000, len: 16 }]);
-        assert_eq!(l.writable_data, vec![Seg { addr: 0x2000, len: 4096 }]);
+        assert_eq!(
+            l.header,
+            vec![Seg {
+                addr: 0x1000,
+                len: 16
+            }]
+        );
+        assert_eq!(
+            l.writable_data,
+            vec![Seg {
+                addr: 0x2000,
+                len: 4096
+            }]
+        );
         assert_eq!(l.writable_data_len, 4096);
         assert_eq!(l.status, Some(0x3000));
         assert_eq!(
@@ -558,11 +572,32 @@ mod tests {
         let l = layout(&[r(0x100, 3), r(0x200, 13 + 512), w(0x900, 1)]).unwrap();
         assert_eq!(
             l.header,
-            vec![Seg { addr: 0x100, len: 3 }, Seg { addr: 0x200, len: 13 }]
+            vec![
+                Seg {
+                    addr: 0x100,
+                    len: 3
+                },
+                Seg {
+                    addr: 0x200,
+                    len: 13
+                }
+            ]
         );
-        assert_eq!(l.readable_data, vec![Seg { addr: 0x20d, len: 512 }]);
+        assert_eq!(
+            l.readable_data,
+            vec![Seg {
+                addr: 0x20d,
+                len: 512
+            }]
+        );
         let l = layout(&[r(0x100, 16), w(0x400, 513)]).unwrap();
-        assert_eq!(l.writable_data, vec![Seg { addr: 0x400, len: 512 }]);
+        assert_eq!(
+            l.writable_data,
+            vec![Seg {
+                addr: 0x400,
+                len: 512
+            }]
+        );
         assert_eq!(l.status, Some(0x400 + 512));
     }
 
@@ -612,7 +647,7 @@ mod tests {
     fn validation_table() {
         let rd = |n: u32| layout(&[r(0, 16), w(0x1000, n), w(0x9000, 1)]).unwrap();
         let wr = |n: u32| layout(&[r(0, 16), r(0x1000, n), w(0x9000, 1)]).unwrap();
-        let bare = layout(&[r(0, 16), w(0x9000, 1)]).unwrap();
+        let bare = || layout(&[r(0, 16), w(0x9000, 1)]).unwrap();
         let ro = DiskGeometry {
             read_only: true,
             ..G
@@ -621,37 +656,125 @@ mod tests {
             block_size: 4096,
             ..G
         };
-        let cases: Vec<(&str, DiskGeometry, Header, &Layout, Result<Op, u8>)> = vec![
-            ("read last sector", G, hdr(T_IN, 2047), &rd(512), Ok(Op::Read { offset: 2047 * 512, len: 512 })),
-            ("read past end", G, hdr(T_IN, 2047), &rd(1024), Err(S_IOERR)),
-            ("read sector huge", G, hdr(T_IN, u64::MAX), &rd(512), Err(S_IOERR)),
-            ("read sector overflow mul", G, hdr(T_IN, u64::MAX / 256), &rd(512), Err(S_IOERR)),
-            ("read not 512 multiple", G, hdr(T_IN, 0), &rd(100), Err(S_IOERR)),
-            ("read with readable data", G, hdr(T_IN, 0), &wr(512), Err(S_IOERR)),
-            ("zero-length read", G, hdr(T_IN, 0), &bare, Ok(Op::Read { offset: 0, len: 0 })),
-            ("write", G, hdr(T_OUT, 1), &wr(1024), Ok(Op::Write { offset: 512, len: 1024 })),
-            ("write read-only", ro, hdr(T_OUT, 1), &wr(512), Err(S_IOERR)),
-            ("write with writable data", G, hdr(T_OUT, 0), &rd(512), Err(S_IOERR)),
-            ("write at end+1", G, hdr(T_OUT, 2048), &wr(512), Err(S_IOERR)),
-            ("4k disk unaligned sector", g4k, hdr(T_IN, 1), &rd(4096), Err(S_IOERR)),
-            ("4k disk short len", g4k, hdr(T_IN, 8), &rd(512), Err(S_IOERR)),
-            ("4k disk ok", g4k, hdr(T_IN, 8), &rd(4096), Ok(Op::Read { offset: 4096, len: 4096 })),
-            ("flush", G, hdr(T_FLUSH, 0), &bare, Ok(Op::Flush)),
-            ("flush on read-only", ro, hdr(T_FLUSH, 0), &bare, Ok(Op::Flush)),
-            ("get id", G, hdr(T_GET_ID, 0), &rd(20), Ok(Op::GetId)),
-            ("unknown type", G, hdr(99, 0), &bare, Err(S_UNSUPP)),
-            ("secure erase unsupported", G, hdr(14, 0), &bare, Err(S_UNSUPP)),
+        type Case = (&'static str, DiskGeometry, Header, Layout, Result<Op, u8>);
+        let cases: Vec<Case> = vec![
+            (
+                "read last sector",
+                G,
+                hdr(T_IN, 2047),
+                rd(512),
+                Ok(Op::Read {
+                    offset: 2047 * 512,
+                    len: 512,
+                }),
+            ),
+            ("read past end", G, hdr(T_IN, 2047), rd(1024), Err(S_IOERR)),
+            (
+                "read sector huge",
+                G,
+                hdr(T_IN, u64::MAX),
+                rd(512),
+                Err(S_IOERR),
+            ),
+            (
+                "read sector overflow mul",
+                G,
+                hdr(T_IN, u64::MAX / 256),
+                rd(512),
+                Err(S_IOERR),
+            ),
+            (
+                "read not 512 multiple",
+                G,
+                hdr(T_IN, 0),
+                rd(100),
+                Err(S_IOERR),
+            ),
+            (
+                "read with readable data",
+                G,
+                hdr(T_IN, 0),
+                wr(512),
+                Err(S_IOERR),
+            ),
+            (
+                "zero-length read",
+                G,
+                hdr(T_IN, 0),
+                bare(),
+                Ok(Op::Read { offset: 0, len: 0 }),
+            ),
+            (
+                "write",
+                G,
+                hdr(T_OUT, 1),
+                wr(1024),
+                Ok(Op::Write {
+                    offset: 512,
+                    len: 1024,
+                }),
+            ),
+            ("write read-only", ro, hdr(T_OUT, 1), wr(512), Err(S_IOERR)),
+            (
+                "write with writable data",
+                G,
+                hdr(T_OUT, 0),
+                rd(512),
+                Err(S_IOERR),
+            ),
+            ("write at end+1", G, hdr(T_OUT, 2048), wr(512), Err(S_IOERR)),
+            (
+                "4k disk unaligned sector",
+                g4k,
+                hdr(T_IN, 1),
+                rd(4096),
+                Err(S_IOERR),
+            ),
+            (
+                "4k disk short len",
+                g4k,
+                hdr(T_IN, 8),
+                rd(512),
+                Err(S_IOERR),
+            ),
+            (
+                "4k disk ok",
+                g4k,
+                hdr(T_IN, 8),
+                rd(4096),
+                Ok(Op::Read {
+                    offset: 4096,
+                    len: 4096,
+                }),
+            ),
+            ("flush", G, hdr(T_FLUSH, 0), bare(), Ok(Op::Flush)),
+            (
+                "flush on read-only",
+                ro,
+                hdr(T_FLUSH, 0),
+                bare(),
+                Ok(Op::Flush),
+            ),
+            ("get id", G, hdr(T_GET_ID, 0), rd(20), Ok(Op::GetId)),
+            ("unknown type", G, hdr(99, 0), bare(), Err(S_UNSUPP)),
+            (
+                "secure erase unsupported",
+                G,
+                hdr(14, 0),
+                bare(),
+                Err(S_UNSUPP),
+            ),
         ];
         for (name, g, h, l, want) in cases {
-            assert_eq!(validate(&g, h, l, None), want, "{name}");
+            assert_eq!(validate(&g, h, &l, None), want, "{name}");
         }
     }
 
     #[test]
     fn discard_and_write_zeroes_table() {
-        let one = layout(&[r(0, 32), w(0x9000, 1)]).unwrap();
-        let two = layout(&[r(0, 48), w(0x9000, 1)]).unwrap();
-        let short = layout(&[r(0, 24), w(0x9000, 1)]).unwrap();
+        let one = || layout(&[r(0, 32), w(0x9000, 1)]).unwrap();
+        let two = || layout(&[r(0, 48), w(0x9000, 1)]).unwrap();
+        let short = || layout(&[r(0, 24), w(0x9000, 1)]).unwrap();
         let seg = |sector, n, flags| {
             Some(DwzSegment {
                 sector,
@@ -663,22 +786,125 @@ mod tests {
             read_only: true,
             ..G
         };
-        let cases: Vec<(&str, DiskGeometry, u32, &Layout, Option<DwzSegment>, Result<Op, u8>)> = vec![
-            ("discard", G, T_DISCARD, &one, seg(8, 8, 0), Ok(Op::Discard { offset: 4096, len: 4096 })),
-            ("discard unmap flag", G, T_DISCARD, &one, seg(8, 8, 1), Err(S_UNSUPP)),
-            ("discard unknown flag", G, T_DISCARD, &one, seg(8, 8, 2), Err(S_UNSUPP)),
-            ("discard two segments", G, T_DISCARD, &two, None, Err(S_UNSUPP)),
-            ("discard short segment", G, T_DISCARD, &short, None, Err(S_IOERR)),
-            ("discard too many sectors", G, T_DISCARD, &one, seg(0, MAX_DISCARD_SECTORS + 1, 0), Err(S_IOERR)),
-            ("discard past end", G, T_DISCARD, &one, seg(2040, 16, 0), Err(S_IOERR)),
-            ("discard read-only", ro, T_DISCARD, &one, seg(0, 8, 0), Err(S_IOERR)),
-            ("write zeroes", G, T_WRITE_ZEROES, &one, seg(0, 8, 0), Ok(Op::WriteZeroes { offset: 0, len: 4096, unmap: false })),
-            ("write zeroes unmap", G, T_WRITE_ZEROES, &one, seg(0, 8, 1), Ok(Op::WriteZeroes { offset: 0, len: 4096, unmap: true })),
-            ("write zeroes bad flag", G, T_WRITE_ZEROES, &one, seg(0, 8, 4), Err(S_UNSUPP)),
-            ("write zeroes sector overflow", G, T_WRITE_ZEROES, &one, seg(u64::MAX, 8, 0), Err(S_IOERR)),
+        type Case = (
+            &'static str,
+            DiskGeometry,
+            u32,
+            Layout,
+            Option<DwzSegment>,
+            Result<Op, u8>,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "discard",
+                G,
+                T_DISCARD,
+                one(),
+                seg(8, 8, 0),
+                Ok(Op::Discard {
+                    offset: 4096,
+                    len: 4096,
+                }),
+            ),
+            (
+                "discard unmap flag",
+                G,
+                T_DISCARD,
+                one(),
+                seg(8, 8, 1),
+                Err(S_UNSUPP),
+            ),
+            (
+                "discard unknown flag",
+                G,
+                T_DISCARD,
+                one(),
+                seg(8, 8, 2),
+                Err(S_UNSUPP),
+            ),
+            (
+                "discard two segments",
+                G,
+                T_DISCARD,
+                two(),
+                None,
+                Err(S_UNSUPP),
+            ),
+            (
+                "discard short segment",
+                G,
+                T_DISCARD,
+                short(),
+                None,
+                Err(S_IOERR),
+            ),
+            (
+                "discard too many sectors",
+                G,
+                T_DISCARD,
+                one(),
+                seg(0, MAX_DISCARD_SECTORS + 1, 0),
+                Err(S_IOERR),
+            ),
+            (
+                "discard past end",
+                G,
+                T_DISCARD,
+                one(),
+                seg(2040, 16, 0),
+                Err(S_IOERR),
+            ),
+            (
+                "discard read-only",
+                ro,
+                T_DISCARD,
+                one(),
+                seg(0, 8, 0),
+                Err(S_IOERR),
+            ),
+            (
+                "write zeroes",
+                G,
+                T_WRITE_ZEROES,
+                one(),
+                seg(0, 8, 0),
+                Ok(Op::WriteZeroes {
+                    offset: 0,
+                    len: 4096,
+                    unmap: false,
+                }),
+            ),
+            (
+                "write zeroes unmap",
+                G,
+                T_WRITE_ZEROES,
+                one(),
+                seg(0, 8, 1),
+                Ok(Op::WriteZeroes {
+                    offset: 0,
+                    len: 4096,
+                    unmap: true,
+                }),
+            ),
+            (
+                "write zeroes bad flag",
+                G,
+                T_WRITE_ZEROES,
+                one(),
+                seg(0, 8, 4),
+                Err(S_UNSUPP),
+            ),
+            (
+                "write zeroes sector overflow",
+                G,
+                T_WRITE_ZEROES,
+                one(),
+                seg(u64::MAX, 8, 0),
+                Err(S_IOERR),
+            ),
         ];
         for (name, g, t, l, s, want) in cases {
-            assert_eq!(validate(&g, hdr(t, 0), l, s), want, "{name}");
+            assert_eq!(validate(&g, hdr(t, 0), &l, s), want, "{name}");
         }
     }
 
@@ -711,7 +937,10 @@ mod tests {
     #[test]
     fn id_is_padded_and_truncated() {
         assert_eq!(&id_bytes("abc")[..4], b"abc\0");
-        assert_eq!(id_bytes("0123456789abcdefghijKLMN"), *b"0123456789abcdefghij");
+        assert_eq!(
+            id_bytes("0123456789abcdefghijKLMN"),
+            *b"0123456789abcdefghij"
+        );
     }
 
     #[test]

@@ -63,7 +63,8 @@ pub struct QueueCtl {
     cv: Condvar,
 }
 
-type NextEngine = (Box<dyn QueueIo>, Arc<dyn Engine>);
+/// A queue's context on an engine, and the engine.
+pub type NextEngine = (Box<dyn QueueIo>, Arc<dyn Engine>);
 
 #[derive(Default)]
 struct CtlState {
@@ -452,9 +453,11 @@ impl Worker {
 
     fn replace_engine(&mut self, io: Box<dyn QueueIo>, engine: Arc<dyn Engine>) {
         debug_assert_eq!(self.in_flight, 0);
-        let _ = self
-            .epoll
-            .ctl(ControlOperation::Delete, self.io.completion_fd(), EpollEvent::default());
+        let _ = self.epoll.ctl(
+            ControlOperation::Delete,
+            self.io.completion_fd(),
+            EpollEvent::default(),
+        );
         if let Err(e) = self.epoll.ctl(
             ControlOperation::Add,
             io.completion_fd(),
@@ -817,11 +820,14 @@ impl Worker {
                 if mode != punch && !self.engine.is_block_device() {
                     // tmpfs has no ZERO_RANGE; a punched hole of a regular file reads as zeroes.
                     self.slots[idx].stage = Stage::Fallocate(punch);
-                    self.push(idx, IoOp::Fallocate {
-                        offset,
-                        len,
-                        mode: punch,
-                    });
+                    self.push(
+                        idx,
+                        IoOp::Fallocate {
+                            offset,
+                            len,
+                            mode: punch,
+                        },
+                    );
                 } else {
                     // Last resort: write zeroes through the bounce pool.
                     let slot = &mut self.slots[idx];

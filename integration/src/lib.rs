@@ -42,7 +42,10 @@ pub fn acceld_bin() -> Result<PathBuf> {
             return Ok(cand);
         }
     }
-    bail!("acceld binary not found next to {}; run `cargo build -p acceld` or set ACCELD_BIN", exe.display())
+    bail!(
+        "acceld binary not found next to {}; run `cargo build -p acceld` or set ACCELD_BIN",
+        exe.display()
+    )
 }
 
 /// acceld running as its own process.
@@ -165,7 +168,14 @@ impl Guest {
         cmd.args(["-machine", "q35,accel=tcg,memory-backend=mem", "-m", &mem])
             .arg("-object")
             .arg(format!("memory-backend-memfd,id=mem,size={mem},share=on"))
-            .args(["-smp", "2", "-nodefaults", "-no-user-config", "-display", "none"])
+            .args([
+                "-smp",
+                "2",
+                "-nodefaults",
+                "-no-user-config",
+                "-display",
+                "none",
+            ])
             .args(["-no-reboot", "-serial", "stdio"])
             .arg("-kernel")
             .arg(kernel)

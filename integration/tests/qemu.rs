@@ -17,11 +17,21 @@ fn workdir() -> tempfile::TempDir {
 fn guest_writes_verifies_and_sees_the_configured_disk() {
     let dir = workdir();
     let image = dir.path().join("disk.raw");
-    std::fs::File::create(&image).unwrap().set_len(96 << 20).unwrap();
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(96 << 20)
+        .unwrap();
     let sock = dir.path().join("vdisk0.sock");
     let _d = Acceld::serve(
         &sock,
-        &["--image", image.to_str().unwrap(), "--queues", "2", "--serial", "ACCEL-SERIAL-1"],
+        &[
+            "--image",
+            image.to_str().unwrap(),
+            "--queues",
+            "2",
+            "--serial",
+            "ACCEL-SERIAL-1",
+        ],
         &dir.path().join("acceld.log"),
     )
     .unwrap();
@@ -36,10 +46,16 @@ fn guest_writes_verifies_and_sees_the_configured_disk() {
     })
     .unwrap();
     let out = g.wait_exit(Duration::from_secs(120)).unwrap();
-    assert_eq!(guest_value(&out, "size").unwrap(), ((96u64 << 20) / 512).to_string());
+    assert_eq!(
+        guest_value(&out, "size").unwrap(),
+        ((96u64 << 20) / 512).to_string()
+    );
     assert_eq!(guest_value(&out, "serial").unwrap(), "ACCEL-SERIAL-1");
     assert_eq!(guest_value(&out, "queues").unwrap(), "2");
-    assert_eq!(guest_value(&out, "discard_max").unwrap(), (32768u64 * 512).to_string());
+    assert_eq!(
+        guest_value(&out, "discard_max").unwrap(),
+        (32768u64 * 512).to_string()
+    );
     assert_eq!(guest_value(&out, "logical_block").unwrap(), "512");
     assert_eq!(guest_value(&out, "ro").unwrap(), "0");
     assert_eq!(guest_value(&out, "verify").unwrap(), "ok", "{out:?}");
@@ -73,7 +89,10 @@ echo kernel_io_errors=$(dmesg | grep -ci 'i/o error')
 fn acceld_restart_under_guest_io_loses_nothing() {
     let dir = workdir();
     let image = dir.path().join("disk.raw");
-    std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
     let sock = dir.path().join("vdisk0.sock");
     let log = dir.path().join("acceld.log");
     let args = ["--image", image.to_str().unwrap(), "--queues", "2"];
@@ -94,11 +113,21 @@ fn acceld_restart_under_guest_io_loses_nothing() {
     let restart_at = g.output.len();
     let _d2 = Acceld::serve(&sock, &args, &log).unwrap();
     let out = g.wait_exit(Duration::from_secs(180)).unwrap();
-    let after = out[restart_at..].iter().filter(|l| l.contains("iter=")).count();
-    assert!(after > 20, "the guest kept going after the restart: {out:?}");
+    let after = out[restart_at..]
+        .iter()
+        .filter(|l| l.contains("iter="))
+        .count();
+    assert!(
+        after > 20,
+        "the guest kept going after the restart: {out:?}"
+    );
     assert_eq!(guest_value(&out, "errors0").unwrap(), "0", "{out:?}");
     assert_eq!(guest_value(&out, "errors1").unwrap(), "0", "{out:?}");
-    assert_eq!(guest_value(&out, "kernel_io_errors").unwrap(), "0", "{out:?}");
+    assert_eq!(
+        guest_value(&out, "kernel_io_errors").unwrap(),
+        "0",
+        "{out:?}"
+    );
     let log = std::fs::read_to_string(&log).unwrap();
     assert_eq!(log.matches("drained, exiting").count(), 1, "{log}");
 }

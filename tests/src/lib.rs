@@ -271,22 +271,25 @@ pub fn wanted_protocol_features() -> VhostUserProtocolFeatures {
 /// Connects and performs only the handshake (features, protocol features, config), as QEMU
 /// does when it realizes the device.
 pub fn handshake(path: &Path, queues: usize) -> Result<(Frontend, Negotiated), FrontendError> {
-    let mut fe = Frontend::connect(path, queues as u64).map_err(|source| {
-        FrontendError::Connect {
+    let mut fe =
+        Frontend::connect(path, queues as u64).map_err(|source| FrontendError::Connect {
             path: path.display().to_string(),
             source,
-        }
-    })?;
+        })?;
     fe.set_owner().map_err(proto("SET_OWNER"))?;
     let features = fe.get_features().map_err(proto("GET_FEATURES"))?;
     if features & VHOST_USER_F_PROTOCOL_FEATURES == 0 {
-        return Err(FrontendError::MissingFeature("VHOST_USER_F_PROTOCOL_FEATURES"));
+        return Err(FrontendError::MissingFeature(
+            "VHOST_USER_F_PROTOCOL_FEATURES",
+        ));
     }
     let pf = fe
         .get_protocol_features()
         .map_err(proto("GET_PROTOCOL_FEATURES"))?;
     if !pf.contains(VhostUserProtocolFeatures::CONFIG) {
-        return Err(FrontendError::MissingFeature("VHOST_USER_PROTOCOL_F_CONFIG"));
+        return Err(FrontendError::MissingFeature(
+            "VHOST_USER_PROTOCOL_F_CONFIG",
+        ));
     }
     fe.set_protocol_features(pf & wanted_protocol_features())
         .map_err(proto("SET_PROTOCOL_FEATURES"))?;
@@ -333,7 +336,8 @@ impl BlkFrontend {
             mmap_offset: 0,
             mmap_handle: mem.file.as_raw_fd(),
         };
-        fe.set_mem_table(&[region]).map_err(proto("SET_MEM_TABLE"))?;
+        fe.set_mem_table(&[region])
+            .map_err(proto("SET_MEM_TABLE"))?;
         let mut me = BlkFrontend {
             fe,
             mem,
@@ -427,8 +431,8 @@ impl BlkFrontend {
     /// Guest address of request slot `tag` of queue `q`: (header, status, indirect table,
     /// data).
     pub fn slot(&self, q: usize, tag: u16) -> SlotAddrs {
-        let base =
-            SLOT_BASE + (q as u64 * u64::from(self.opts.queue_size) + u64::from(tag)) * self.slot_size;
+        let base = SLOT_BASE
+            + (q as u64 * u64::from(self.opts.queue_size) + u64::from(tag)) * self.slot_size;
         SlotAddrs {
             header: base,
             status: base + 64,
@@ -450,7 +454,9 @@ impl BlkFrontend {
         if dq.free_desc.len() < need || need == 0 {
             return Err(FrontendError::Full(q));
         }
-        let ids: Vec<u16> = (0..need).map(|_| dq.free_desc.pop().expect("checked")).collect();
+        let ids: Vec<u16> = (0..need)
+            .map(|_| dq.free_desc.pop().expect("checked"))
+            .collect();
         match indirect {
             Some(table) => {
                 for (i, b) in bufs.iter().enumerate() {
@@ -535,7 +541,7 @@ impl BlkFrontend {
             let len = self.mem.r32(e + 4);
             dq.last_used = dq.last_used.wrapping_add(1);
             if let Some(ids) = dq.chains.get_mut(usize::from(head)) {
-                dq.free_desc.extend(ids.drain(..));
+                dq.free_desc.append(ids);
             }
             out.push(Used { head, len });
         }

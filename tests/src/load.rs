@@ -153,7 +153,7 @@ impl Rng {
     pub fn new(seed: u64) -> Self {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x >> 12;
         x ^= x << 25;
@@ -162,7 +162,7 @@ impl Rng {
         x.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        self.next_u64() % n.max(1)
     }
 }
 
@@ -306,12 +306,12 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
         }
         // Completions from every queue; block on the first queue's call fd only briefly.
         let mut got = 0;
-        for q in 0..nq {
+        for (q, st) in qs.iter_mut().enumerate() {
             used.clear();
             fe.poll_used(q, &mut used);
             got += used.len();
             for u in used.drain(..) {
-                complete(fe, &mut qs[q], q, u, spec, &mut rep, &mut buf);
+                complete(fe, st, q, u, spec, &mut rep, &mut buf);
             }
         }
         if got == 0 {
@@ -334,10 +334,16 @@ fn complete(
     rep: &mut LoadReport,
     buf: &mut [u8],
 ) {
-    let Some(tag) = st.by_head.get_mut(usize::from(u.head)).and_then(|t| t.take()) else {
+    let Some(tag) = st
+        .by_head
+        .get_mut(usize::from(u.head))
+        .and_then(|t| t.take())
+    else {
         rep.errors += 1;
-        rep.mismatches
-            .push(format!("queue {q}: used head {} that is not in flight", u.head));
+        rep.mismatches.push(format!(
+            "queue {q}: used head {} that is not in flight",
+            u.head
+        ));
         return;
     };
     let inf = st.tags[usize::from(tag)].take().expect("tag in flight");
@@ -394,7 +400,13 @@ fn wait_any_call(fe: &BlkFrontend, timeout: Duration) -> Result<(), FrontendErro
         })
         .collect();
     // SAFETY: fds is a valid array for the duration of the call.
-    let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout.as_millis() as i32) };
+    let r = unsafe {
+        libc::poll(
+            fds.as_mut_ptr(),
+            fds.len() as libc::nfds_t,
+            timeout.as_millis() as i32,
+        )
+    };
     for q in 0..fe.queues() {
         let _ = fe.call_fd(q).read();
     }

@@ -38,7 +38,10 @@ fn qsd(image: &Path, socket: &Path, queues: u16, writable: bool, lbs: u32) -> Qs
         .expect("qemu-storage-daemon must be installed (qemu-utils); .ci/run installs it");
     let t0 = Instant::now();
     while !socket.exists() {
-        assert!(t0.elapsed() < Duration::from_secs(10), "qsd did not create its socket");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "qsd did not create its socket"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     Qsd(child)
@@ -96,11 +99,21 @@ fn compare(queues: u16, read_only: bool, lbs: u32) {
         theirs.features & !VHOST_F_LOG_ALL,
         "feature bits differ beyond VHOST_F_LOG_ALL"
     );
-    assert_eq!(ours.protocol_features & !theirs.protocol_features, 0, "acceld offers a protocol feature QEMU does not");
+    assert_eq!(
+        ours.protocol_features & !theirs.protocol_features,
+        0,
+        "acceld offers a protocol feature QEMU does not"
+    );
     let missing = names(theirs.protocol_features & !ours.protocol_features, PROTO);
     assert_eq!(
         missing,
-        ["LOG_SHMFD", "BACKEND_REQ", "PAGEFAULT", "BACKEND_SEND_FD", "HOST_NOTIFIER"],
+        [
+            "LOG_SHMFD",
+            "BACKEND_REQ",
+            "PAGEFAULT",
+            "BACKEND_SEND_FD",
+            "HOST_NOTIFIER"
+        ],
         "protocol features acceld does not implement changed"
     );
     assert_eq!(ours.queue_num, theirs.queue_num);

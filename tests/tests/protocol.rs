@@ -80,13 +80,20 @@ fn every_request_type() {
     let seg = dwz_segment(20, 4, 1);
     assert_eq!(fe.request(0, T_WRITE_ZEROES, 0, &seg, 0).unwrap().0, S_OK);
     let (_, back, _) = fe.request(0, T_IN, 16, &[], 4096).unwrap();
-    assert!(back.iter().all(|&b| b == 0), "write-zeroes range reads zero");
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "write-zeroes range reads zero"
+    );
     // Discard with the UNMAP flag, unknown flags, unknown types: UNSUPP.
     let seg = dwz_segment(0, 8, 1);
     assert_eq!(fe.request(0, T_DISCARD, 0, &seg, 0).unwrap().0, S_UNSUPP);
     assert_eq!(fe.request(0, 14, 0, &[], 0).unwrap().0, S_UNSUPP);
     assert_eq!(fe.request(0, 0x7fff, 0, &[], 0).unwrap().0, S_UNSUPP);
-    let st = s.drive.stats.unsupported.load(std::sync::atomic::Ordering::Relaxed);
+    let st = s
+        .drive
+        .stats
+        .unsupported
+        .load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(st, 3);
 }
 
@@ -111,11 +118,18 @@ fn read_only_disk_refuses_writes() {
         ..Default::default()
     });
     let mut fe = connect(&s, 1);
-    assert_ne!(fe.negotiated.features & (1 << 5), 0, "VIRTIO_BLK_F_RO offered");
+    assert_ne!(
+        fe.negotiated.features & (1 << 5),
+        0,
+        "VIRTIO_BLK_F_RO offered"
+    );
     assert_eq!(fe.request(0, T_OUT, 0, &[1u8; 512], 0).unwrap().0, S_IOERR);
     let seg = dwz_segment(0, 8, 0);
     assert_eq!(fe.request(0, T_DISCARD, 0, &seg, 0).unwrap().0, S_IOERR);
-    assert_eq!(fe.request(0, T_WRITE_ZEROES, 0, &seg, 0).unwrap().0, S_IOERR);
+    assert_eq!(
+        fe.request(0, T_WRITE_ZEROES, 0, &seg, 0).unwrap().0,
+        S_IOERR
+    );
     assert_eq!(fe.request(0, T_IN, 0, &[], 512).unwrap().0, S_OK);
     assert_eq!(fe.request(0, T_FLUSH, 0, &[], 0).unwrap().0, S_OK);
 }
@@ -133,19 +147,47 @@ fn any_descriptor_layout() {
     hdr_and_data.extend_from_slice(&data);
     fe.mem.write(sl.data, &hdr_and_data);
     let bufs = [
-        Buf { addr: sl.data, len: 5, writable: false },
-        Buf { addr: sl.data + 5, len: 11 + 1000, writable: false },
-        Buf { addr: sl.data + 16 + 1000, len: 2000, writable: false },
-        Buf { addr: sl.data + 16 + 3000, len: 1096, writable: false },
-        Buf { addr: sl.status, len: 1, writable: true },
+        Buf {
+            addr: sl.data,
+            len: 5,
+            writable: false,
+        },
+        Buf {
+            addr: sl.data + 5,
+            len: 11 + 1000,
+            writable: false,
+        },
+        Buf {
+            addr: sl.data + 16 + 1000,
+            len: 2000,
+            writable: false,
+        },
+        Buf {
+            addr: sl.data + 16 + 3000,
+            len: 1096,
+            writable: false,
+        },
+        Buf {
+            addr: sl.status,
+            len: 1,
+            writable: true,
+        },
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_OK);
     // Read it back with data and status in one descriptor, through an indirect table.
     fe.mem.write(sl.header, &header(T_IN, 100));
     fe.mem.fill(sl.data, 4097, 0xaa);
     let bufs = [
-        Buf { addr: sl.header, len: 16, writable: false },
-        Buf { addr: sl.data, len: 4097, writable: true },
+        Buf {
+            addr: sl.header,
+            len: 16,
+            writable: false,
+        },
+        Buf {
+            addr: sl.data,
+            len: 4097,
+            writable: true,
+        },
     ];
     let (st, used) = fe.submit_wait(0, &bufs, Some(sl.indirect)).unwrap();
     assert_eq!((st, used), (S_OK, 4097));
@@ -153,11 +195,23 @@ fn any_descriptor_layout() {
     fe.mem.read(sl.data, &mut back);
     assert_eq!(back, data);
     // Many small segments, direct descriptors.
-    let mut bufs = vec![Buf { addr: sl.header, len: 16, writable: false }];
+    let mut bufs = vec![Buf {
+        addr: sl.header,
+        len: 16,
+        writable: false,
+    }];
     for i in 0..8 {
-        bufs.push(Buf { addr: sl.data + 8192 * i, len: 512, writable: true });
+        bufs.push(Buf {
+            addr: sl.data + 8192 * i,
+            len: 512,
+            writable: true,
+        });
     }
-    bufs.push(Buf { addr: sl.status, len: 1, writable: true });
+    bufs.push(Buf {
+        addr: sl.status,
+        len: 1,
+        writable: true,
+    });
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_OK);
     for i in 0..8u64 {
         let mut b = vec![0u8; 512];
@@ -184,24 +238,51 @@ fn unaligned_buffers_go_through_the_bounce_pool() {
     fe.mem.write(sl.header, &header(T_OUT, (1 << 20) / 512));
     fe.mem.write(sl.data + 3, &data);
     let bufs = [
-        Buf { addr: sl.header, len: 16, writable: false },
-        Buf { addr: sl.data + 3, len: len as u32, writable: false },
-        Buf { addr: sl.status, len: 1, writable: true },
+        Buf {
+            addr: sl.header,
+            len: 16,
+            writable: false,
+        },
+        Buf {
+            addr: sl.data + 3,
+            len: len as u32,
+            writable: false,
+        },
+        Buf {
+            addr: sl.status,
+            len: 1,
+            writable: true,
+        },
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_OK);
     fe.mem.write(sl.header, &header(T_IN, (1 << 20) / 512));
     fe.mem.fill(sl.data, len + 8, 0);
     let bufs = [
-        Buf { addr: sl.header, len: 16, writable: false },
-        Buf { addr: sl.data + 7, len: len as u32, writable: true },
-        Buf { addr: sl.status, len: 1, writable: true },
+        Buf {
+            addr: sl.header,
+            len: 16,
+            writable: false,
+        },
+        Buf {
+            addr: sl.data + 7,
+            len: len as u32,
+            writable: true,
+        },
+        Buf {
+            addr: sl.status,
+            len: 1,
+            writable: true,
+        },
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_OK);
     let mut back = vec![0u8; len];
     fe.mem.read(sl.data + 7, &mut back);
     assert!(back == data, "bounced read returns the bounced write");
     assert_eq!(
-        s.drive.stats.bounced.load(std::sync::atomic::Ordering::Relaxed),
+        s.drive
+            .stats
+            .bounced
+            .load(std::sync::atomic::Ordering::Relaxed),
         2
     );
 }
@@ -220,35 +301,87 @@ fn hostile_requests_get_a_status_and_the_server_survives() {
     // Data outside guest memory.
     fe.mem.write(sl.header, &header(T_IN, 0));
     let bufs = [
-        Buf { addr: sl.header, len: 16, writable: false },
-        Buf { addr: 1 << 40, len: 4096, writable: true },
-        Buf { addr: sl.status, len: 1, writable: true },
+        Buf {
+            addr: sl.header,
+            len: 16,
+            writable: false,
+        },
+        Buf {
+            addr: 1 << 40,
+            len: 4096,
+            writable: true,
+        },
+        Buf {
+            addr: sl.status,
+            len: 1,
+            writable: true,
+        },
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_IOERR);
     // 4 GiB - 1 lengths, twice.
     let bufs = [
-        Buf { addr: sl.header, len: 16, writable: false },
-        Buf { addr: sl.data, len: u32::MAX, writable: true },
-        Buf { addr: sl.data, len: u32::MAX, writable: true },
-        Buf { addr: sl.status, len: 1, writable: true },
+        Buf {
+            addr: sl.header,
+            len: 16,
+            writable: false,
+        },
+        Buf {
+            addr: sl.data,
+            len: u32::MAX,
+            writable: true,
+        },
+        Buf {
+            addr: sl.data,
+            len: u32::MAX,
+            writable: true,
+        },
+        Buf {
+            addr: sl.status,
+            len: 1,
+            writable: true,
+        },
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_IOERR);
     // A header shorter than 16 bytes.
     let bufs = [
-        Buf { addr: sl.header, len: 8, writable: false },
-        Buf { addr: sl.status, len: 1, writable: true },
+        Buf {
+            addr: sl.header,
+            len: 8,
+            writable: false,
+        },
+        Buf {
+            addr: sl.status,
+            len: 1,
+            writable: true,
+        },
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_IOERR);
     // Readable after writable.
     let bufs = [
-        Buf { addr: sl.header, len: 16, writable: false },
-        Buf { addr: sl.status, len: 1, writable: true },
-        Buf { addr: sl.data, len: 512, writable: false },
+        Buf {
+            addr: sl.header,
+            len: 16,
+            writable: false,
+        },
+        Buf {
+            addr: sl.status,
+            len: 1,
+            writable: true,
+        },
+        Buf {
+            addr: sl.data,
+            len: 512,
+            writable: false,
+        },
     ];
     let (_, used) = fe.submit_wait(0, &bufs, None).unwrap();
     assert_eq!(used, 1);
     // No writable byte at all: still answered (used ring), nothing to write the status to.
-    let bufs = [Buf { addr: sl.header, len: 16, writable: false }];
+    let bufs = [Buf {
+        addr: sl.header,
+        len: 16,
+        writable: false,
+    }];
     let (_, used) = fe.submit_wait(0, &bufs, None).unwrap();
     assert_eq!(used, 1);
     // An indirect table whose length is not a multiple of 16, and one outside guest memory:
@@ -260,13 +393,34 @@ fn hostile_requests_get_a_status_and_the_server_survives() {
         assert_eq!(used[0].head, head);
     }
     // More data segments than acceld takes (1024): IOERR, no allocation of their size.
-    let mut bufs = vec![Buf { addr: sl.header, len: 16, writable: false }];
+    let mut bufs = vec![Buf {
+        addr: sl.header,
+        len: 16,
+        writable: false,
+    }];
     for i in 0..1100u64 {
-        bufs.push(Buf { addr: sl.data + 512 * (i % 64), len: 512, writable: true });
+        bufs.push(Buf {
+            addr: sl.data + 512 * (i % 64),
+            len: 512,
+            writable: true,
+        });
     }
-    bufs.push(Buf { addr: sl.status, len: 1, writable: true });
-    assert_eq!(fe.submit_wait(0, &bufs, Some(sl.data + 65536)).unwrap().0, S_IOERR);
-    assert!(s.drive.stats.io_errors.load(std::sync::atomic::Ordering::Relaxed) >= 9);
+    bufs.push(Buf {
+        addr: sl.status,
+        len: 1,
+        writable: true,
+    });
+    assert_eq!(
+        fe.submit_wait(0, &bufs, Some(sl.data + 65536)).unwrap().0,
+        S_IOERR
+    );
+    assert!(
+        s.drive
+            .stats
+            .io_errors
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 9
+    );
     // Still serving.
     let data = patterned(0, 1, 512);
     assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
@@ -309,7 +463,10 @@ fn two_queues_in_parallel() {
     let mut fe = connect(&s, 2);
     for q in 0..2 {
         let data = patterned(q as u64 * 8192, 9, 8192);
-        assert_eq!(fe.request(q, T_OUT, q as u64 * 16, &data, 0).unwrap().0, S_OK);
+        assert_eq!(
+            fe.request(q, T_OUT, q as u64 * 16, &data, 0).unwrap().0,
+            S_OK
+        );
     }
     for q in 0..2 {
         let (_, back, _) = fe.request(1 - q, T_IN, q as u64 * 16, &[], 8192).unwrap();
@@ -330,7 +487,11 @@ fn reconnect_ten_times_with_fresh_state() {
         assert_eq!(fe.request(q, T_OUT, round * 8, &data, 0).unwrap().0, S_OK);
         for r in 0..=round {
             let (_, back, _) = fe.request(q, T_IN, r * 8, &[], 4096).unwrap();
-            assert_eq!(back, patterned(r * 4096, r, 4096), "round {round}, block {r}");
+            assert_eq!(
+                back,
+                patterned(r * 4096, r, 4096),
+                "round {round}, block {r}"
+            );
         }
         // GET_VRING_BASE gives exactly the number of requests consumed on that queue.
         assert_eq!(fe.get_vring_base(q).unwrap(), round as u32 + 2);
