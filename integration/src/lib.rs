@@ -16,6 +16,9 @@ pub fn crate_dir() -> PathBuf {
 
 /// Builds the guest kernel and initramfs if they are missing; returns (vmlinuz, initramfs).
 pub fn ensure_guest() -> Result<(PathBuf, PathBuf)> {
+    // Tests of one binary run in parallel; one builds, the others wait.
+    static BUILD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = BUILD.lock().unwrap_or_else(|p| p.into_inner());
     let out = crate_dir().join("out");
     let script = crate_dir().join("guest/build.sh");
     let st = Command::new("bash")

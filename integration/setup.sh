@@ -1,0 +1,28 @@
+#!/bin/bash
+# Installs what accel's demo and tests need on a fresh Debian 12 machine (run as root):
+# QEMU 10 from bookworm-backports (reusing the mirror the machine already uses), busybox-static,
+# cpio and xz for the tiny guest, fio for benchmarks. Idempotent.
+set -euo pipefail
+if [ "$(id -u)" != 0 ]; then
+  echo "setup.sh: run as root (it installs Debian packages)" >&2
+  exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+need_update=0
+if ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/; then
+  uri=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+  if [ -z "$uri" ]; then
+    uri=$(awk '/^deb /{print $2; exit}' /etc/apt/sources.list)
+  fi
+  echo "deb $uri bookworm-backports main" > /etc/apt/sources.list.d/backports.list
+  need_update=1
+fi
+if [ $need_update = 1 ] || [ ! -d /var/lib/apt/lists ] || [ -z "$(ls /var/lib/apt/lists/ | grep -i backports || true)" ]; then
+  apt-get update -q
+fi
+if ! qemu-system-x86_64 --version 2>/dev/null | grep -q 'version 10'; then
+  apt-get install -y -q -t bookworm-backports qemu-system-x86 qemu-utils
+fi
+apt-get install -y -q busybox-static cpio xz-utils fio >/dev/null
+qemu-system-x86_64 --version | head -1
+qemu-storage-daemon --version | head -1
