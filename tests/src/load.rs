@@ -24,6 +24,15 @@ pub struct LoadSpec {
     /// Seed the initial content was written with (see [`fill_image`]).
     pub initial_seed: u64,
     pub rng_seed: u64,
+    /// Random or sequential offsets within each queue's part of the region.
+    pub sequential: bool,
+    /// Byte offset of the region on the disk (a multiple of the block size).
+    pub region_offset: u64,
+    /// Sequential only: each queue covers its blocks exactly once, then stops.
+    pub single_pass: bool,
+    /// What each block holds at the start (a previous report's `final_model`); default: the
+    /// pattern of `initial_seed` everywhere.
+    pub initial_model: Option<std::sync::Arc<Vec<u64>>>,
     /// Stop when this becomes true (in addition to `requests` and `duration`).
     pub stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
@@ -191,6 +200,9 @@ struct Inflight {
 
 struct QueueState {
     first_block: u64,
+    /// Next block of a sequential workload.
+    cursor: u64,
+    issued: u64,
     blocks: u64,
     /// Seed each block was last written with.
     model: Vec<u64>,
@@ -210,9 +222,14 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
     let depth = spec.depth.min(usize::from(fe.queue_size()));
     let mut qs: Vec<QueueState> = (0..nq)
         .map(|q| QueueState {
-            first_block: q as u64 * per_q,
+            first_block: spec.region_offset / u64::from(spec.block_size) + q as u64 * per_q,
+            cursor: 0,
+            issued: 0,
             blocks: per_q,
-            model: vec![spec.initial_seed; per_q as usize],
+            model: match &spec.initial_model {
+                Some(m) => m[(q as u64 * per_q) as usize..((q as u64 + 1) * per_q) as usize].to_vec(),
+                None => vec![spec.initial_seed; per_q as usize],
+            },
             busy: vec![false; per_q as usize],
             free_tags: (0..depth as u16).rev().collect(),
             tags: vec![None; depth],
@@ -241,11 +258,23 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
                 if spec.requests.is_some_and(|n| issued >= n) {
                     break;
                 }
+                if spec.single_pass && st.issued >= st.blocks {
+                    break;
+                }
                 // A block with no request in flight.
-                let mut block = rng.below(st.blocks);
+                let mut block;
                 let mut tries = 0;
-                while st.busy[block as usize] && tries < 64 {
-                    block = rng.below(st.blocks);
+                loop {
+                    block = if spec.sequential {
+                        let b = st.cursor;
+                        st.cursor = (st.cursor + 1) % st.blocks;
+                        b
+                    } else {
+                        rng.below(st.blocks)
+                    };
+                    if !st.busy[block as usize] || tries >= 64 {
+                        break;
+                    }
                     tries += 1;
                 }
                 if st.busy[block as usize] {
@@ -295,10 +324,12 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
                 });
                 st.by_head[usize::from(head)] = Some(tag);
                 issued += 1;
+                st.issued += 1;
             }
             in_flight += st.tags.len() - st.free_tags.len();
         }
-        if stop && in_flight == 0 {
+        let passes_done = spec.single_pass && qs.iter().all(|st| st.issued >= st.blocks);
+        if (stop || passes_done) && in_flight == 0 {
             break;
         }
         if in_flight == 0 {

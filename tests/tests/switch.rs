@@ -65,6 +65,10 @@ fn hundred_switches_under_qd32_verified_load() {
         initial_seed: 1,
         rng_seed: 42,
         stop: Some(done.clone()),
+        sequential: false,
+        region_offset: 0,
+        single_pass: false,
+        initial_model: None,
     };
     // The load runs for as long as the switcher works.
     let total = run_load(&mut fe, &spec).unwrap();
