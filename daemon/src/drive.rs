@@ -40,6 +40,8 @@ pub struct DriveConfig {
     /// Largest queue size the frontend may choose.
     pub queue_size: u16,
     pub discard: DiscardMode,
+    /// Busy-poll the vring and the engine for this long before sleeping (0: never poll).
+    pub poll_us: u32,
 }
 
 impl DriveConfig {

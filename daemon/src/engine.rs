@@ -80,6 +80,10 @@ pub trait QueueIo: Send {
     fn completion_fd(&self) -> RawFd;
     /// Moves finished operations into `out` as (token, result).
     fn reap(&mut self, out: &mut Vec<(u64, i32)>);
+    /// Whether completions are waiting, checked without a system call (for polling).
+    fn has_completions(&mut self) -> bool {
+        false
+    }
 }
 
 /// The storage side of a drive.
@@ -338,6 +342,10 @@ impl QueueIo for RingQueue {
 
     fn completion_fd(&self) -> RawFd {
         self.done.as_raw_fd()
+    }
+
+    fn has_completions(&mut self) -> bool {
+        !self.ring.completion().is_empty()
     }
 
     fn reap(&mut self, out: &mut Vec<(u64, i32)>) {

@@ -28,12 +28,55 @@ enum Cmd {
         #[arg(long, default_value_t = 16)]
         mib: u32,
     },
+    /// Benchmark: fio bare metal vs qemu-storage-daemon vs acceld on one file (release build).
+    Compare {
+        /// The file (default: 1 GiB on tmpfs).
+        #[arg(long, default_value = "/dev/shm/accel-bench.raw")]
+        image: PathBuf,
+        #[arg(long, default_value_t = 1024)]
+        size_mib: u64,
+        /// Repeats of each cell (the table shows the median).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        #[arg(long, value_delimiter = ',', default_value = "1,32,128")]
+        depths: Vec<usize>,
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        queues: Vec<usize>,
+        #[arg(long, value_delimiter = ',', default_value = "randread,randwrite")]
+        workloads: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Demo { dir, mib } => demo(dir, mib),
+        Cmd::Compare {
+            image,
+            size_mib,
+            runs,
+            seconds,
+            depths,
+            queues,
+            workloads,
+        } => std::env::current_exe()
+            .map_err(anyhow::Error::from)
+            .and_then(|exe| {
+                accel_integration::compare::compare(&accel_integration::compare::CompareOpts {
+                    image,
+                    size_mib,
+                    runs,
+                    seconds,
+                    depths,
+                    queues,
+                    workloads,
+                    server_cpu: 1,
+                    client_cpu: 0,
+                    bench: exe.with_file_name("accel-bench"),
+                })
+            }),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

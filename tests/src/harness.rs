@@ -81,6 +81,7 @@ impl TestServer {
             num_queues: o.queues,
             queue_size: 1024,
             discard: o.discard,
+            poll_us: 0,
         };
         let drive = Drive::new(cfg, engine);
         let mut server = Server::bind(&socket, drive.clone()).expect("bind");

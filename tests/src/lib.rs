@@ -207,6 +207,8 @@ struct DriverQueue {
     /// Descriptors of each in-flight chain, by head.
     chains: Vec<Vec<u16>>,
     avail_idx: u16,
+    /// avail_idx at the last kick decision.
+    kicked_idx: u16,
     last_used: u16,
     kick: EventFd,
     call: EventFd,
@@ -400,6 +402,7 @@ impl BlkFrontend {
             free_desc: (0..n).rev().collect(),
             chains: vec![Vec::new(); usize::from(n)],
             avail_idx: 0,
+            kicked_idx: 0,
             last_used: 0,
             kick,
             call,
@@ -489,13 +492,71 @@ impl BlkFrontend {
         }
         let head = ids[0];
         dq.chains[usize::from(head)] = ids;
+        self.publish(q, head, true);
+        Ok(head)
+    }
+
+    /// Puts `head` in the avail ring; kicks now if `kick`, else the caller calls
+    /// [`BlkFrontend::kick`] after a batch.
+    fn publish(&mut self, q: usize, head: u16, kick: bool) {
+        let dq = &mut self.queues[q];
         let slot = u64::from(dq.avail_idx % dq.size);
         self.mem.w16(dq.avail + 4 + 2 * slot, head);
         fence(Ordering::Release);
         dq.avail_idx = dq.avail_idx.wrapping_add(1);
         self.mem.w16(dq.avail + 2, dq.avail_idx);
+        if kick {
+            fence(Ordering::SeqCst);
+            let _ = dq.kick.write(1);
+            dq.kicked_idx = dq.avail_idx;
+        }
+    }
+
+    /// Kicks queue `q` if the device asked to be told about what was published since the last
+    /// kick (EVENT_IDX `avail_event`; always without EVENT_IDX), as a guest driver does.
+    pub fn kick(&mut self, q: usize) {
+        let event_idx = self.negotiated.acked_features & VIRTIO_RING_F_EVENT_IDX != 0;
+        let dq = &mut self.queues[q];
+        if dq.kicked_idx == dq.avail_idx {
+            return;
+        }
         fence(Ordering::SeqCst);
-        let _ = dq.kick.write(1);
+        let need = if event_idx {
+            let avail_event = self.mem.r16(dq.used + 4 + 8 * u64::from(dq.size));
+            // vring_need_event(event, new, old)
+            dq.avail_idx.wrapping_sub(avail_event).wrapping_sub(1)
+                < dq.avail_idx.wrapping_sub(dq.kicked_idx)
+        } else {
+            true
+        };
+        dq.kicked_idx = dq.avail_idx;
+        if need {
+            let _ = dq.kick.write(1);
+        }
+    }
+
+    /// Like [`BlkFrontend::submit_chain`] with direct descriptors, without kicking: call
+    /// [`BlkFrontend::kick`] after the batch.
+    pub fn queue_chain(&mut self, q: usize, bufs: &[Buf]) -> Result<u16, FrontendError> {
+        let dq = &mut self.queues[q];
+        if dq.free_desc.len() < bufs.len() || bufs.is_empty() {
+            return Err(FrontendError::Full(q));
+        }
+        let ids: Vec<u16> = (0..bufs.len())
+            .map(|_| dq.free_desc.pop().expect("checked"))
+            .collect();
+        for (i, b) in bufs.iter().enumerate() {
+            let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
+            let next = ids.get(i + 1).copied().unwrap_or(0);
+            if i + 1 < bufs.len() {
+                flags |= VRING_DESC_F_NEXT;
+            }
+            self.mem
+                .desc(dq.desc + 16 * u64::from(ids[i]), b.addr, b.len, flags, next);
+        }
+        let head = ids[0];
+        dq.chains[usize::from(head)] = ids;
+        self.publish(q, head, false);
         Ok(head)
     }
 
@@ -520,13 +581,7 @@ impl BlkFrontend {
         }
         let head = ids[0];
         dq.chains[usize::from(head)] = ids;
-        let slot = u64::from(dq.avail_idx % dq.size);
-        self.mem.w16(dq.avail + 4 + 2 * slot, head);
-        fence(Ordering::Release);
-        dq.avail_idx = dq.avail_idx.wrapping_add(1);
-        self.mem.w16(dq.avail + 2, dq.avail_idx);
-        fence(Ordering::SeqCst);
-        let _ = dq.kick.write(1);
+        self.publish(q, head, true);
         Ok(head)
     }
 

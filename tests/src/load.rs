@@ -28,6 +28,8 @@ pub struct LoadSpec {
     pub sequential: bool,
     /// Byte offset of the region on the disk (a multiple of the block size).
     pub region_offset: u64,
+    /// Spin on the used rings instead of sleeping on the call eventfds.
+    pub poll: bool,
     /// Sequential only: each queue covers its blocks exactly once, then stops.
     pub single_pass: bool,
     /// What each block holds at the start (a previous report's `final_model`); default: the
@@ -244,6 +246,7 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
     let mut used = Vec::with_capacity(256);
     let mut buf = vec![0u8; spec.block_size as usize];
     let mut seed_counter = spec.rng_seed << 20;
+    let mut last_progress = Instant::now();
     loop {
         let stop = spec.requests.is_some_and(|n| issued >= n)
             || spec.duration.is_some_and(|d| start.elapsed() >= d)
@@ -314,7 +317,7 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
                         writable: true,
                     },
                 ];
-                let head = fe.submit_chain(q, &bufs, None)?;
+                let head = fe.queue_chain(q, &bufs)?;
                 st.busy[block as usize] = true;
                 st.tags[usize::from(tag)] = Some(Inflight {
                     block,
@@ -326,6 +329,7 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
                 issued += 1;
                 st.issued += 1;
             }
+            fe.kick(q);
             in_flight += st.tags.len() - st.free_tags.len();
         }
         let passes_done = spec.single_pass && qs.iter().all(|st| st.issued >= st.blocks);
@@ -346,7 +350,19 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
             }
         }
         if got == 0 {
-            wait_any_call(fe, Duration::from_secs(10))?;
+            if spec.poll {
+                if last_progress.elapsed() > Duration::from_secs(10) {
+                    return Err(FrontendError::Timeout {
+                        queue: 0,
+                        timeout: Duration::from_secs(10),
+                    });
+                }
+                std::hint::spin_loop();
+            } else {
+                wait_any_call(fe, Duration::from_secs(10))?;
+            }
+        } else {
+            last_progress = Instant::now();
         }
     }
     rep.elapsed = start.elapsed();

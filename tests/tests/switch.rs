@@ -69,6 +69,7 @@ fn hundred_switches_under_qd32_verified_load() {
         region_offset: 0,
         single_pass: false,
         initial_model: None,
+        poll: false,
     };
     // The load runs for as long as the switcher works.
     let total = run_load(&mut fe, &spec).unwrap();

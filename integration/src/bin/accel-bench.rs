@@ -58,6 +58,9 @@ struct Args {
     /// Account this process's CPU time (the server's) from /proc.
     #[arg(long)]
     server_pid: Option<u32>,
+    /// Spin on the used rings instead of sleeping (as a busy guest vCPU would).
+    #[arg(long)]
+    poll: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -156,6 +159,7 @@ fn run(a: Args) -> Result<()> {
         region_offset: a.offset,
         single_pass: false,
         initial_model: None,
+        poll: a.poll,
         stop: None,
     };
     let mut base = base;

@@ -1,0 +1,281 @@
+//! `accel-integration compare`: fio bare metal, qemu-storage-daemon's vhost-user-blk export and
+//! `acceld serve` on the same file, server (or fio) pinned to one core and the client to the
+//! other; every cell repeated; one table with the ratios.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use crate::acceld_bin;
+
+#[derive(Clone, Debug)]
+pub struct CompareOpts {
+    pub image: PathBuf,
+    pub size_mib: u64,
+    pub runs: usize,
+    pub seconds: f64,
+    pub depths: Vec<usize>,
+    pub queues: Vec<usize>,
+    pub workloads: Vec<String>,
+    pub server_cpu: usize,
+    pub client_cpu: usize,
+    pub bench: PathBuf,
+}
+
+/// One measurement.
+#[derive(Clone, Copy, Debug, Default)]
+struct Sample {
+    iops: f64,
+    p99_us: f64,
+    /// Requests per CPU-second of the server (for fio: of fio itself).
+    per_cpu: f64,
+}
+
+struct Kill(Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_socket(p: &Path) -> Result<()> {
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(p).is_err() {
+        if t0.elapsed() > Duration::from_secs(10) {
+            bail!("{} did not come up", p.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn prepare_image(o: &CompareOpts) -> Result<()> {
+    let want = o.size_mib << 20;
+    if std::fs::metadata(&o.image).map(|m| m.len()) .ok() == Some(want) {
+        return Ok(());
+    }
+    // Real data, not holes: reads of a sparse file would measure nothing.
+    let st = Command::new("fio")
+        .args(["--name=fill", "--rw=write", "--bs=1M", "--ioengine=psync", "--direct=0"])
+        .arg(format!("--filename={}", o.image.display()))
+        .arg(format!("--size={}", want))
+        .arg("--output=/dev/null")
+        .status()
+        .context("fio (apt-get install fio)")?;
+    if !st.success() {
+        bail!("filling {} failed", o.image.display());
+    }
+    Ok(())
+}
+
+fn fio(o: &CompareOpts, rw: &str, depth: usize, jobs: usize) -> Result<Sample> {
+    let out = Command::new("taskset")
+        .arg("-c")
+        .arg(o.server_cpu.to_string())
+        .args(["fio", "--name=bare", "--ioengine=io_uring", "--direct=1", "--bs=4k"])
+        .arg(format!("--rw={rw}"))
+        .arg(format!("--iodepth={depth}"))
+        .arg(format!("--numjobs={jobs}"))
+        .arg(format!("--filename={}", o.image.display()))
+        .arg(format!("--runtime={}", o.seconds))
+        .args(["--time_based", "--group_reporting", "--output-format=json"])
+        .output()
+        .context("running fio")?;
+    if !out.status.success() {
+        bail!("fio failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).context("fio json")?;
+    let job = &v["jobs"][0];
+    let dir = if rw.contains("read") { "read" } else { "write" };
+    let iops = job[dir]["iops"].as_f64().unwrap_or(0.0);
+    let p99 = job[dir]["clat_ns"]["percentile"]["99.000000"]
+        .as_f64()
+        .unwrap_or(0.0)
+        / 1000.0;
+    let runtime = job[dir]["runtime"].as_f64().unwrap_or(1000.0) / 1000.0;
+    let cpu = (job["usr_cpu"].as_f64().unwrap_or(0.0) + job["sys_cpu"].as_f64().unwrap_or(0.0))
+        / 100.0
+        * runtime;
+    Ok(Sample {
+        iops,
+        p99_us: p99,
+        per_cpu: if cpu > 0.0 { iops * runtime / cpu } else { 0.0 },
+    })
+}
+
+fn client(o: &CompareOpts, sock: &Path, pid: u32, rw: &str, depth: usize, queues: usize) -> Result<Sample> {
+    let out = Command::new("taskset")
+        .arg("-c")
+        .arg(o.client_cpu.to_string())
+        .arg(&o.bench)
+        .arg("--socket")
+        .arg(sock)
+        .args(["--workload", rw, "--bs", "4k", "--json", "--poll"])
+        .arg(format!("--depth={depth}"))
+        .arg(format!("--queues={queues}"))
+        .arg(format!("--duration={}", o.seconds))
+        .arg(format!("--server-pid={pid}"))
+        .output()
+        .context("running accel-bench")?;
+    if !out.status.success() {
+        bail!(
+            "accel-bench failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).context("accel-bench json")?;
+    Ok(Sample {
+        iops: v["iops"].as_f64().unwrap_or(0.0),
+        p99_us: v["p99_us"].as_f64().unwrap_or(0.0),
+        per_cpu: v["iops_per_cpu_s"].as_f64().unwrap_or(0.0),
+    })
+}
+
+fn qsd(o: &CompareOpts, sock: &Path, queues: usize) -> Result<Kill> {
+    let _ = std::fs::remove_file(sock);
+    let c = Command::new("taskset")
+        .arg("-c")
+        .arg(o.server_cpu.to_string())
+        .arg("qemu-storage-daemon")
+        .arg("--blockdev")
+        .arg(format!(
+            "driver=file,node-name=f0,filename={},cache.direct=on,aio=io_uring",
+            o.image.display()
+        ))
+        .args(["--blockdev", "driver=raw,node-name=d0,file=f0"])
+        .arg("--export")
+        .arg(format!(
+            "type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path={},writable=on,num-queues={queues}",
+            sock.display()
+        ))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("qemu-storage-daemon")?;
+    let k = Kill(c);
+    wait_socket(sock)?;
+    Ok(k)
+}
+
+fn acceld(o: &CompareOpts, sock: &Path, queues: usize) -> Result<Kill> {
+    let _ = std::fs::remove_file(sock);
+    let c = Command::new("taskset")
+        .arg("-c")
+        .arg(o.server_cpu.to_string())
+        .arg(acceld_bin()?)
+        .arg("serve")
+        .arg("--image")
+        .arg(&o.image)
+        .arg("--socket")
+        .arg(sock)
+        .arg(format!("--queues={queues}"))
+        .env("ACCELD_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("acceld")?;
+    let k = Kill(c);
+    wait_socket(sock)?;
+    Ok(k)
+}
+
+fn median(v: &mut [f64]) -> (f64, f64) {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    let m = v[v.len() / 2];
+    let spread = if m > 0.0 {
+        (v[v.len() - 1] - v[0]) / m * 100.0
+    } else {
+        0.0
+    };
+    (m, spread)
+}
+
+struct Cell {
+    name: String,
+    fio: Vec<Sample>,
+    qsd: Vec<Sample>,
+    acc: Vec<Sample>,
+}
+
+pub fn compare(o: &CompareOpts) -> Result<()> {
+    prepare_image(o)?;
+    let dir = tempfile::Builder::new().prefix("accel-compare").tempdir()?;
+    let sock = dir.path().join("s.sock");
+    let mut cells = Vec::new();
+    for rw in &o.workloads {
+        for &q in &o.queues {
+            for &d in &o.depths {
+                let mut c = Cell {
+                    name: format!("{rw} QD{d} q{q}"),
+                    fio: vec![],
+                    qsd: vec![],
+                    acc: vec![],
+                };
+                for _ in 0..o.runs {
+                    c.fio.push(fio(o, rw, d, q)?);
+                    {
+                        let s = qsd(o, &sock, q)?;
+                        c.qsd.push(client(o, &sock, s.0.id(), rw, d, q)?);
+                    }
+                    {
+                        let s = acceld(o, &sock, q)?;
+                        c.acc.push(client(o, &sock, s.0.id(), rw, d, q)?);
+                    }
+                }
+                eprintln!("done: {}", c.name);
+                cells.push(c);
+            }
+        }
+    }
+    println!(
+        "median of {} runs x {:.0} s, 4 KiB, {} MiB file {}; server/fio on CPU {}, client on CPU {}; (spread = (max-min)/median)\n",
+        o.runs,
+        o.seconds,
+        o.size_mib,
+        o.image.display(),
+        o.server_cpu,
+        o.client_cpu
+    );
+    println!("| cell | fio IOPS | qsd IOPS | acceld IOPS | acceld/fio | acceld/qsd | p99 µs fio / qsd / acceld | IOPS per CPU-s fio / qsd / acceld | acceld/qsd per CPU |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for c in &cells {
+        let col = |v: &[Sample], f: fn(&Sample) -> f64| {
+            let mut x: Vec<f64> = v.iter().map(f).collect();
+            median(&mut x)
+        };
+        let (fi, fis) = col(&c.fio, |s| s.iops);
+        let (qi, qis) = col(&c.qsd, |s| s.iops);
+        let (ai, ais) = col(&c.acc, |s| s.iops);
+        let (fp, _) = col(&c.fio, |s| s.p99_us);
+        let (qp, _) = col(&c.qsd, |s| s.p99_us);
+        let (ap, _) = col(&c.acc, |s| s.p99_us);
+        let (fc, _) = col(&c.fio, |s| s.per_cpu);
+        let (qc, _) = col(&c.qsd, |s| s.per_cpu);
+        let (ac, _) = col(&c.acc, |s| s.per_cpu);
+        println!(
+            "| {} | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.2} | {:.2} | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.2} |",
+            c.name,
+            fi,
+            fis / 2.0,
+            qi,
+            qis / 2.0,
+            ai,
+            ais / 2.0,
+            ai / fi.max(1.0),
+            ai / qi.max(1.0),
+            fp,
+            qp,
+            ap,
+            fc,
+            qc,
+            ac,
+            ac / qc.max(1.0)
+        );
+    }
+    Ok(())
+}
