@@ -55,12 +55,18 @@ fn wait_socket(p: &Path) -> Result<()> {
 
 fn prepare_image(o: &CompareOpts) -> Result<()> {
     let want = o.size_mib << 20;
-    if std::fs::metadata(&o.image).map(|m| m.len()) .ok() == Some(want) {
+    if std::fs::metadata(&o.image).map(|m| m.len()).ok() == Some(want) {
         return Ok(());
     }
     // Real data, not holes: reads of a sparse file would measure nothing.
     let st = Command::new("fio")
-        .args(["--name=fill", "--rw=write", "--bs=1M", "--ioengine=psync", "--direct=0"])
+        .args([
+            "--name=fill",
+            "--rw=write",
+            "--bs=1M",
+            "--ioengine=psync",
+            "--direct=0",
+        ])
         .arg(format!("--filename={}", o.image.display()))
         .arg(format!("--size={}", want))
         .arg("--output=/dev/null")
@@ -76,7 +82,13 @@ fn fio(o: &CompareOpts, rw: &str, depth: usize, jobs: usize) -> Result<Sample> {
     let out = Command::new("taskset")
         .arg("-c")
         .arg(o.server_cpu.to_string())
-        .args(["fio", "--name=bare", "--ioengine=io_uring", "--direct=1", "--bs=4k"])
+        .args([
+            "fio",
+            "--name=bare",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--bs=4k",
+        ])
         .arg(format!("--rw={rw}"))
         .arg(format!("--iodepth={depth}"))
         .arg(format!("--numjobs={jobs}"))
@@ -107,7 +119,14 @@ fn fio(o: &CompareOpts, rw: &str, depth: usize, jobs: usize) -> Result<Sample> {
     })
 }
 
-fn client(o: &CompareOpts, sock: &Path, pid: u32, rw: &str, depth: usize, queues: usize) -> Result<Sample> {
+fn client(
+    o: &CompareOpts,
+    sock: &Path,
+    pid: u32,
+    rw: &str,
+    depth: usize,
+    queues: usize,
+) -> Result<Sample> {
     let out = Command::new("taskset")
         .arg("-c")
         .arg(o.client_cpu.to_string())

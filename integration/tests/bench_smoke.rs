@@ -29,18 +29,27 @@ fn check(json: &str) {
     assert!(json.contains("\"errors\":0"), "{json}");
     assert!(json.contains("\"mismatches\":0"), "{json}");
     assert!(json.contains("\"verified\":true"), "{json}");
-    assert!(!json.contains("\"reads\":0,"), "some reads were verified: {json}");
+    assert!(
+        !json.contains("\"reads\":0,"),
+        "some reads were verified: {json}"
+    );
 }
 
 fn image(dir: &Path) -> std::path::PathBuf {
     let p = dir.join("disk.raw");
-    std::fs::File::create(&p).unwrap().set_len(64 << 20).unwrap();
+    std::fs::File::create(&p)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
     p
 }
 
 #[test]
 fn bench_verifies_against_acceld() {
-    let dir = tempfile::Builder::new().prefix("accel-bench").tempdir_in("/var/tmp").unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("accel-bench")
+        .tempdir_in("/var/tmp")
+        .unwrap();
     let img = image(dir.path());
     let sock = dir.path().join("a.sock");
     let _d = Acceld::serve(
@@ -62,7 +71,10 @@ impl Drop for Kill {
 
 #[test]
 fn bench_verifies_against_qemu_storage_daemon() {
-    let dir = tempfile::Builder::new().prefix("accel-bench").tempdir_in("/var/tmp").unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("accel-bench")
+        .tempdir_in("/var/tmp")
+        .unwrap();
     let img = image(dir.path());
     let sock = dir.path().join("q.sock");
     let _q = Kill(

@@ -229,7 +229,9 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
             issued: 0,
             blocks: per_q,
             model: match &spec.initial_model {
-                Some(m) => m[(q as u64 * per_q) as usize..((q as u64 + 1) * per_q) as usize].to_vec(),
+                Some(m) => {
+                    m[(q as u64 * per_q) as usize..((q as u64 + 1) * per_q) as usize].to_vec()
+                }
                 None => vec![spec.initial_seed; per_q as usize],
             },
             busy: vec![false; per_q as usize],

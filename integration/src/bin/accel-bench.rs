@@ -105,7 +105,10 @@ fn main() -> ExitCode {
 
 fn run(a: Args) -> Result<()> {
     if a.bs < 512 || a.bs > 1 << 20 || a.bs % 512 != 0 {
-        bail!("--bs {} is not a multiple of 512 between 512 and 1 MiB", a.bs);
+        bail!(
+            "--bs {} is not a multiple of 512 between 512 and 1 MiB",
+            a.bs
+        );
     }
     if a.queues == 0 || a.depth == 0 {
         bail!("--queues and --depth must be at least 1");
@@ -116,7 +119,10 @@ fn run(a: Args) -> Result<()> {
     // Each request uses 3 descriptors; the ring must hold depth of them.
     let queue_size = ((a.depth * 3).next_power_of_two()).clamp(64, 1024) as u16;
     if a.depth * 3 > 1024 {
-        bail!("--depth {} is too deep for a 1024-entry ring (at most 341)", a.depth);
+        bail!(
+            "--depth {} is too deep for a 1024-entry ring (at most 341)",
+            a.depth
+        );
     }
     let mut fe = BlkFrontend::connect(
         &a.socket,
@@ -143,7 +149,11 @@ fn run(a: Args) -> Result<()> {
     }
     let blocks = size / a.bs;
     if blocks < (a.queues * (a.depth + 1)) as u64 {
-        bail!("region of {blocks} blocks is too small for {} queues × depth {}", a.queues, a.depth);
+        bail!(
+            "region of {blocks} blocks is too small for {} queues × depth {}",
+            a.queues,
+            a.depth
+        );
     }
     let base = LoadSpec {
         block_size: a.bs as u32,
@@ -273,7 +283,11 @@ fn print_report(a: &Args, r: &LoadReport, cpu: Option<f64>) {
             "  errors {}  mismatches {}{}",
             r.errors,
             r.mismatch_count,
-            if a.verify { "  (every read verified)" } else { "" }
+            if a.verify {
+                "  (every read verified)"
+            } else {
+                ""
+            }
         );
     }
 }
