@@ -191,6 +191,25 @@ pub struct Buf {
     pub writable: bool,
 }
 
+impl Buf {
+    /// A device-readable buffer.
+    pub fn r(addr: u64, len: u32) -> Self {
+        Buf {
+            addr,
+            len,
+            writable: false,
+        }
+    }
+    /// A device-writable buffer.
+    pub fn w(addr: u64, len: u32) -> Self {
+        Buf {
+            addr,
+            len,
+            writable: true,
+        }
+    }
+}
+
 /// A used-ring entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Used {
@@ -452,6 +471,27 @@ impl BlkFrontend {
         bufs: &[Buf],
         indirect: Option<u64>,
     ) -> Result<u16, FrontendError> {
+        let head = self.write_chain(q, bufs, indirect)?;
+        let dq = &mut self.queues[q];
+        fence(Ordering::SeqCst);
+        let _ = dq.kick.write(1);
+        dq.kicked_idx = dq.avail_idx;
+        Ok(head)
+    }
+
+    /// Like [`BlkFrontend::submit_chain`] with direct descriptors, without kicking: call
+    /// [`BlkFrontend::kick`] after the batch.
+    pub fn queue_chain(&mut self, q: usize, bufs: &[Buf]) -> Result<u16, FrontendError> {
+        self.write_chain(q, bufs, None)
+    }
+
+    /// Writes the descriptors of a chain and publishes its head, without kicking.
+    fn write_chain(
+        &mut self,
+        q: usize,
+        bufs: &[Buf],
+        indirect: Option<u64>,
+    ) -> Result<u16, FrontendError> {
         let dq = &mut self.queues[q];
         let need = if indirect.is_some() { 1 } else { bufs.len() };
         if dq.free_desc.len() < need || need == 0 {
@@ -460,56 +500,46 @@ impl BlkFrontend {
         let ids: Vec<u16> = (0..need)
             .map(|_| dq.free_desc.pop().expect("checked"))
             .collect();
-        match indirect {
-            Some(table) => {
-                for (i, b) in bufs.iter().enumerate() {
-                    let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
-                    if i + 1 < bufs.len() {
-                        flags |= VRING_DESC_F_NEXT;
-                    }
-                    self.mem
-                        .desc(table + 16 * i as u64, b.addr, b.len, flags, i as u16 + 1);
-                }
-                self.mem.desc(
-                    dq.desc + 16 * u64::from(ids[0]),
-                    table,
-                    16 * bufs.len() as u32,
-                    VRING_DESC_F_INDIRECT,
-                    0,
-                );
+        let (table, first_id) = match indirect {
+            Some(t) => (t, 0u16),
+            None => (dq.desc, u16::MAX),
+        };
+        for (i, b) in bufs.iter().enumerate() {
+            let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
+            if i + 1 < bufs.len() {
+                flags |= VRING_DESC_F_NEXT;
             }
-            None => {
-                for (i, b) in bufs.iter().enumerate() {
-                    let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
-                    let next = ids.get(i + 1).copied().unwrap_or(0);
-                    if i + 1 < bufs.len() {
-                        flags |= VRING_DESC_F_NEXT;
-                    }
-                    self.mem
-                        .desc(dq.desc + 16 * u64::from(ids[i]), b.addr, b.len, flags, next);
-                }
-            }
+            // In an indirect table entries are numbered 0..n; in the ring, by their ids.
+            let (slot, next) = if first_id == 0 {
+                (i as u64, i as u16 + 1)
+            } else {
+                (u64::from(ids[i]), ids.get(i + 1).copied().unwrap_or(0))
+            };
+            self.mem.desc(table + 16 * slot, b.addr, b.len, flags, next);
+        }
+        if let Some(t) = indirect {
+            self.mem.desc(
+                dq.desc + 16 * u64::from(ids[0]),
+                t,
+                16 * bufs.len() as u32,
+                VRING_DESC_F_INDIRECT,
+                0,
+            );
         }
         let head = ids[0];
         dq.chains[usize::from(head)] = ids;
-        self.publish(q, head, true);
+        self.publish(q, head);
         Ok(head)
     }
 
-    /// Puts `head` in the avail ring; kicks now if `kick`, else the caller calls
-    /// [`BlkFrontend::kick`] after a batch.
-    fn publish(&mut self, q: usize, head: u16, kick: bool) {
+    /// Puts `head` in the avail ring (no kick).
+    fn publish(&mut self, q: usize, head: u16) {
         let dq = &mut self.queues[q];
         let slot = u64::from(dq.avail_idx % dq.size);
         self.mem.w16(dq.avail + 4 + 2 * slot, head);
         fence(Ordering::Release);
         dq.avail_idx = dq.avail_idx.wrapping_add(1);
         self.mem.w16(dq.avail + 2, dq.avail_idx);
-        if kick {
-            fence(Ordering::SeqCst);
-            let _ = dq.kick.write(1);
-            dq.kicked_idx = dq.avail_idx;
-        }
     }
 
     /// Kicks queue `q` if the device asked to be told about what was published since the last
@@ -535,31 +565,6 @@ impl BlkFrontend {
         }
     }
 
-    /// Like [`BlkFrontend::submit_chain`] with direct descriptors, without kicking: call
-    /// [`BlkFrontend::kick`] after the batch.
-    pub fn queue_chain(&mut self, q: usize, bufs: &[Buf]) -> Result<u16, FrontendError> {
-        let dq = &mut self.queues[q];
-        if dq.free_desc.len() < bufs.len() || bufs.is_empty() {
-            return Err(FrontendError::Full(q));
-        }
-        let ids: Vec<u16> = (0..bufs.len())
-            .map(|_| dq.free_desc.pop().expect("checked"))
-            .collect();
-        for (i, b) in bufs.iter().enumerate() {
-            let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
-            let next = ids.get(i + 1).copied().unwrap_or(0);
-            if i + 1 < bufs.len() {
-                flags |= VRING_DESC_F_NEXT;
-            }
-            self.mem
-                .desc(dq.desc + 16 * u64::from(ids[i]), b.addr, b.len, flags, next);
-        }
-        let head = ids[0];
-        dq.chains[usize::from(head)] = ids;
-        self.publish(q, head, false);
-        Ok(head)
-    }
-
     /// Hostile chains: writes raw descriptors (flags and `next` as given, `next` being an index
     /// into `descs`, mapped to the real descriptor ids) and publishes the first as the head.
     pub fn submit_raw(
@@ -581,7 +586,11 @@ impl BlkFrontend {
         }
         let head = ids[0];
         dq.chains[usize::from(head)] = ids;
-        self.publish(q, head, true);
+        self.publish(q, head);
+        let dq = &mut self.queues[q];
+        fence(Ordering::SeqCst);
+        let _ = dq.kick.write(1);
+        dq.kicked_idx = dq.avail_idx;
         Ok(head)
     }
 

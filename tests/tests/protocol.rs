@@ -147,71 +147,28 @@ fn any_descriptor_layout() {
     hdr_and_data.extend_from_slice(&data);
     fe.mem.write(sl.data, &hdr_and_data);
     let bufs = [
-        Buf {
-            addr: sl.data,
-            len: 5,
-            writable: false,
-        },
-        Buf {
-            addr: sl.data + 5,
-            len: 11 + 1000,
-            writable: false,
-        },
-        Buf {
-            addr: sl.data + 16 + 1000,
-            len: 2000,
-            writable: false,
-        },
-        Buf {
-            addr: sl.data + 16 + 3000,
-            len: 1096,
-            writable: false,
-        },
-        Buf {
-            addr: sl.status,
-            len: 1,
-            writable: true,
-        },
+        Buf::r(sl.data, 5),
+        Buf::r(sl.data + 5, 11 + 1000),
+        Buf::r(sl.data + 16 + 1000, 2000),
+        Buf::r(sl.data + 16 + 3000, 1096),
+        Buf::w(sl.status, 1),
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_OK);
     // Read it back with data and status in one descriptor, through an indirect table.
     fe.mem.write(sl.header, &header(T_IN, 100));
     fe.mem.fill(sl.data, 4097, 0xaa);
-    let bufs = [
-        Buf {
-            addr: sl.header,
-            len: 16,
-            writable: false,
-        },
-        Buf {
-            addr: sl.data,
-            len: 4097,
-            writable: true,
-        },
-    ];
+    let bufs = [Buf::r(sl.header, 16), Buf::w(sl.data, 4097)];
     let (st, used) = fe.submit_wait(0, &bufs, Some(sl.indirect)).unwrap();
     assert_eq!((st, used), (S_OK, 4097));
     let mut back = vec![0u8; 4096];
     fe.mem.read(sl.data, &mut back);
     assert_eq!(back, data);
     // Many small segments, direct descriptors.
-    let mut bufs = vec![Buf {
-        addr: sl.header,
-        len: 16,
-        writable: false,
-    }];
+    let mut bufs = vec![Buf::r(sl.header, 16)];
     for i in 0..8 {
-        bufs.push(Buf {
-            addr: sl.data + 8192 * i,
-            len: 512,
-            writable: true,
-        });
+        bufs.push(Buf::w(sl.data + 8192 * i, 512));
     }
-    bufs.push(Buf {
-        addr: sl.status,
-        len: 1,
-        writable: true,
-    });
+    bufs.push(Buf::w(sl.status, 1));
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_OK);
     for i in 0..8u64 {
         let mut b = vec![0u8; 512];
@@ -238,41 +195,17 @@ fn unaligned_buffers_go_through_the_bounce_pool() {
     fe.mem.write(sl.header, &header(T_OUT, (1 << 20) / 512));
     fe.mem.write(sl.data + 3, &data);
     let bufs = [
-        Buf {
-            addr: sl.header,
-            len: 16,
-            writable: false,
-        },
-        Buf {
-            addr: sl.data + 3,
-            len: len as u32,
-            writable: false,
-        },
-        Buf {
-            addr: sl.status,
-            len: 1,
-            writable: true,
-        },
+        Buf::r(sl.header, 16),
+        Buf::r(sl.data + 3, len as u32),
+        Buf::w(sl.status, 1),
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_OK);
     fe.mem.write(sl.header, &header(T_IN, (1 << 20) / 512));
     fe.mem.fill(sl.data, len + 8, 0);
     let bufs = [
-        Buf {
-            addr: sl.header,
-            len: 16,
-            writable: false,
-        },
-        Buf {
-            addr: sl.data + 7,
-            len: len as u32,
-            writable: true,
-        },
-        Buf {
-            addr: sl.status,
-            len: 1,
-            writable: true,
-        },
+        Buf::r(sl.header, 16),
+        Buf::w(sl.data + 7, len as u32),
+        Buf::w(sl.status, 1),
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_OK);
     let mut back = vec![0u8; len];
@@ -301,87 +234,32 @@ fn hostile_requests_get_a_status_and_the_server_survives() {
     // Data outside guest memory.
     fe.mem.write(sl.header, &header(T_IN, 0));
     let bufs = [
-        Buf {
-            addr: sl.header,
-            len: 16,
-            writable: false,
-        },
-        Buf {
-            addr: 1 << 40,
-            len: 4096,
-            writable: true,
-        },
-        Buf {
-            addr: sl.status,
-            len: 1,
-            writable: true,
-        },
+        Buf::r(sl.header, 16),
+        Buf::w(1 << 40, 4096),
+        Buf::w(sl.status, 1),
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_IOERR);
     // 4 GiB - 1 lengths, twice.
     let bufs = [
-        Buf {
-            addr: sl.header,
-            len: 16,
-            writable: false,
-        },
-        Buf {
-            addr: sl.data,
-            len: u32::MAX,
-            writable: true,
-        },
-        Buf {
-            addr: sl.data,
-            len: u32::MAX,
-            writable: true,
-        },
-        Buf {
-            addr: sl.status,
-            len: 1,
-            writable: true,
-        },
+        Buf::r(sl.header, 16),
+        Buf::w(sl.data, u32::MAX),
+        Buf::w(sl.data, u32::MAX),
+        Buf::w(sl.status, 1),
     ];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_IOERR);
     // A header shorter than 16 bytes.
-    let bufs = [
-        Buf {
-            addr: sl.header,
-            len: 8,
-            writable: false,
-        },
-        Buf {
-            addr: sl.status,
-            len: 1,
-            writable: true,
-        },
-    ];
+    let bufs = [Buf::r(sl.header, 8), Buf::w(sl.status, 1)];
     assert_eq!(fe.submit_wait(0, &bufs, None).unwrap().0, S_IOERR);
     // Readable after writable.
     let bufs = [
-        Buf {
-            addr: sl.header,
-            len: 16,
-            writable: false,
-        },
-        Buf {
-            addr: sl.status,
-            len: 1,
-            writable: true,
-        },
-        Buf {
-            addr: sl.data,
-            len: 512,
-            writable: false,
-        },
+        Buf::r(sl.header, 16),
+        Buf::w(sl.status, 1),
+        Buf::r(sl.data, 512),
     ];
     let (_, used) = fe.submit_wait(0, &bufs, None).unwrap();
     assert_eq!(used, 1);
     // No writable byte at all: still answered (used ring), nothing to write the status to.
-    let bufs = [Buf {
-        addr: sl.header,
-        len: 16,
-        writable: false,
-    }];
+    let bufs = [Buf::r(sl.header, 16)];
     let (_, used) = fe.submit_wait(0, &bufs, None).unwrap();
     assert_eq!(used, 1);
     // An indirect table whose length is not a multiple of 16, and one outside guest memory:
@@ -393,23 +271,11 @@ fn hostile_requests_get_a_status_and_the_server_survives() {
         assert_eq!(used[0].head, head);
     }
     // More data segments than acceld takes (1024): IOERR, no allocation of their size.
-    let mut bufs = vec![Buf {
-        addr: sl.header,
-        len: 16,
-        writable: false,
-    }];
+    let mut bufs = vec![Buf::r(sl.header, 16)];
     for i in 0..1100u64 {
-        bufs.push(Buf {
-            addr: sl.data + 512 * (i % 64),
-            len: 512,
-            writable: true,
-        });
+        bufs.push(Buf::w(sl.data + 512 * (i % 64), 512));
     }
-    bufs.push(Buf {
-        addr: sl.status,
-        len: 1,
-        writable: true,
-    });
+    bufs.push(Buf::w(sl.status, 1));
     assert_eq!(
         fe.submit_wait(0, &bufs, Some(sl.data + 65536)).unwrap().0,
         S_IOERR
