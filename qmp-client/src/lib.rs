@@ -1,1 +1,420 @@
+//! An async QMP client for the accel supervisor.
+//!
+//! - [`connect`] reads QEMU's greeting and returns a [`Handshake`]: nothing but
+//!   `qmp_capabilities` can be sent before [`Handshake::negotiate`] turns it into a [`Qmp`]
+//!   (a typestate).
+//! - [`Qmp`] is cheap to clone; many tasks can have commands in flight at once. Each command
+//!   carries a unique `id` and its reply is matched by that id, so replies may come in any
+//!   order.
+//! - Events go to a broadcast channel. Unknown events and unknown fields are kept as JSON, never
+//!   an error; a subscriber that falls behind learns how many it missed
+//!   (`RecvError::Lagged`) instead of losing them silently.
+//! - Errors keep QEMU's `class` and `desc`. A disconnect, or garbage from the peer, fails every
+//!   pending command with a clear error. Every command has a timeout.
 
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use thiserror::Error;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+use tokio::sync::{broadcast, oneshot};
+use tracing::{debug, warn};
+
+pub mod commands;
+
+/// Longest line accepted from QEMU (a `query-named-block-nodes` of a big VM is large, but not
+/// this large).
+const MAX_LINE: usize = 64 << 20;
+/// Events buffered per subscriber before it is told it lagged.
+const EVENT_BUFFER: usize = 4096;
+
+#[derive(Debug, Error, Clone)]
+pub enum QmpError {
+    #[error("cannot connect to QMP socket {path}: {msg}")]
+    Connect { path: PathBuf, msg: String },
+    #[error("QMP connection closed{}", .0.as_ref().map(|r| format!(": {r}")).unwrap_or_default())]
+    Closed(Option<String>),
+    #[error("QEMU refused {command}: {class}: {desc}")]
+    Qemu {
+        command: String,
+        class: String,
+        desc: String,
+    },
+    #[error("{command}: no reply within {timeout:?}")]
+    Timeout { command: String, timeout: Duration },
+    #[error("QMP protocol error: {0}")]
+    Protocol(String),
+    #[error("{command}: cannot decode QEMU's reply: {msg}")]
+    Decode { command: String, msg: String },
+    #[error("QMP I/O error: {0}")]
+    Io(String),
+}
+
+impl QmpError {
+    /// QEMU's error class, when QEMU refused the command.
+    pub fn class(&self) -> Option<&str> {
+        match self {
+            QmpError::Qemu { class, .. } => Some(class),
+            _ => None,
+        }
+    }
+}
+
+/// QEMU's version, from the greeting.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct VersionTriple {
+    pub major: u32,
+    pub minor: u32,
+    pub micro: u32,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct VersionInfo {
+    pub qemu: VersionTriple,
+    #[serde(default)]
+    pub package: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct Greeting {
+    pub version: VersionInfo,
+    pub capabilities: Vec<String>,
+}
+
+/// An asynchronous event from QEMU. `data` is kept as JSON: unknown events and fields are fine.
+#[derive(Clone, Debug)]
+pub struct Event {
+    pub name: String,
+    pub data: Value,
+    /// (seconds, microseconds) as QEMU stamped it.
+    pub timestamp: (i64, i64),
+}
+
+/// A typed QMP command: its name, its arguments (the struct itself) and its reply type.
+pub trait Command: Serialize {
+    const NAME: &'static str;
+    type Ok: DeserializeOwned;
+    /// Whether the command has arguments (unit structs serialize to null).
+    fn has_args(&self) -> bool {
+        true
+    }
+}
+
+/// A connected socket whose greeting was read; only negotiation is possible.
+pub struct Handshake {
+    greeting: Greeting,
+    reader: BufReader<OwnedReadHalf>,
+    writer: OwnedWriteHalf,
+    path: PathBuf,
+}
+
+/// Connects and reads the greeting.
+pub async fn connect(path: &Path) -> Result<Handshake, QmpError> {
+    let stream = UnixStream::connect(path)
+        .await
+        .map_err(|e| QmpError::Connect {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+    let (r, w) = stream.into_split();
+    let mut reader = BufReader::new(r);
+    let v = read_message(&mut reader)
+        .await?
+        .ok_or_else(|| QmpError::Closed(Some("before the greeting".into())))?;
+    let qmp = v
+        .get("QMP")
+        .ok_or_else(|| QmpError::Protocol(format!("expected a greeting, got {v}")))?;
+    let version: VersionInfo = serde_json::from_value(qmp["version"].clone())
+        .map_err(|e| QmpError::Protocol(format!("bad greeting version: {e}")))?;
+    let capabilities = qmp["capabilities"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|c| c.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(Handshake {
+        greeting: Greeting {
+            version,
+            capabilities,
+        },
+        reader,
+        writer: w,
+        path: path.to_path_buf(),
+    })
+}
+
+/// Connects, negotiates and returns the client, retrying while the socket is not there yet
+/// (QEMU starting) up to `attempts` times, `delay` apart.
+pub async fn connect_with_retry(
+    path: &Path,
+    attempts: u32,
+    delay: Duration,
+) -> Result<Qmp, QmpError> {
+    let mut last = None;
+    for _ in 0..attempts.max(1) {
+        match connect(path).await {
+            Ok(h) => return h.negotiate().await,
+            Err(e @ QmpError::Connect { .. }) => last = Some(e),
+            Err(e) => return Err(e),
+        }
+        tokio::time::sleep(delay).await;
+    }
+    Err(last.expect("at least one attempt"))
+}
+
+impl Handshake {
+    pub fn greeting(&self) -> &Greeting {
+        &self.greeting
+    }
+
+    /// Sends `qmp_capabilities` and waits for its reply; then commands can flow.
+    pub async fn negotiate(mut self) -> Result<Qmp, QmpError> {
+        let msg = json!({"execute": "qmp_capabilities", "id": 0});
+        write_message(&mut self.writer, &msg).await?;
+        loop {
+            let v = read_message(&mut self.reader)
+                .await?
+                .ok_or_else(|| QmpError::Closed(Some("during negotiation".into())))?;
+            if v.get("event").is_some() {
+                continue;
+            }
+            if let Some(e) = v.get("error") {
+                return Err(qemu_error("qmp_capabilities", e));
+            }
+            if v.get("return").is_some() {
+                break;
+            }
+            return Err(QmpError::Protocol(format!(
+                "unexpected reply to qmp_capabilities: {v}"
+            )));
+        }
+        Ok(Qmp::start(self))
+    }
+}
+
+fn qemu_error(command: &str, e: &Value) -> QmpError {
+    QmpError::Qemu {
+        command: command.to_string(),
+        class: e["class"].as_str().unwrap_or("GenericError").to_string(),
+        desc: e["desc"].as_str().unwrap_or("").to_string(),
+    }
+}
+
+async fn read_message(r: &mut BufReader<OwnedReadHalf>) -> Result<Option<Value>, QmpError> {
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = (&mut *r)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .await
+            .map_err(|e| QmpError::Io(e.to_string()))?;
+        if n == 0 {
+            return Ok(None);
+        }
+        if line.len() > MAX_LINE {
+            return Err(QmpError::Protocol(format!(
+                "message longer than {MAX_LINE} bytes"
+            )));
+        }
+        if !line.ends_with(b"\n") {
+            return Err(QmpError::Protocol(format!(
+                "truncated message at end of stream: {}",
+                String::from_utf8_lossy(&line[..line.len().min(200)])
+            )));
+        }
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        return serde_json::from_slice(&line).map(Some).map_err(|e| {
+            QmpError::Protocol(format!(
+                "invalid JSON from the peer ({e}): {}",
+                String::from_utf8_lossy(&line[..line.len().min(200)]).trim_end()
+            ))
+        });
+    }
+}
+
+async fn write_message(w: &mut OwnedWriteHalf, v: &Value) -> Result<(), QmpError> {
+    let mut s = serde_json::to_vec(v).map_err(|e| QmpError::Protocol(e.to_string()))?;
+    s.push(b'\n');
+    w.write_all(&s)
+        .await
+        .map_err(|e| QmpError::Io(e.to_string()))
+}
+
+type Reply = Result<Value, QmpError>;
+
+struct Inner {
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    pending: Mutex<HashMap<u64, (String, oneshot::Sender<Reply>)>>,
+    next_id: AtomicU64,
+    events: broadcast::Sender<Event>,
+    closed: AtomicBool,
+    close_reason: Mutex<Option<String>>,
+    timeout: Mutex<Duration>,
+    greeting: Greeting,
+    path: PathBuf,
+}
+
+/// A negotiated QMP connection. Clone it to share it between tasks.
+#[derive(Clone)]
+pub struct Qmp {
+    inner: Arc<Inner>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Qmp {
+    fn start(h: Handshake) -> Self {
+        let (events, _) = broadcast::channel(EVENT_BUFFER);
+        let inner = Arc::new(Inner {
+            writer: tokio::sync::Mutex::new(h.writer),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            events,
+            closed: AtomicBool::new(false),
+            close_reason: Mutex::new(None),
+            timeout: Mutex::new(Duration::from_secs(30)),
+            greeting: h.greeting,
+            path: h.path,
+        });
+        tokio::spawn(reader_task(h.reader, inner.clone()));
+        Qmp { inner }
+    }
+
+    pub fn greeting(&self) -> &Greeting {
+        &self.inner.greeting
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The timeout of every later command (default 30 s).
+    pub fn set_timeout(&self, t: Duration) {
+        *lock(&self.inner.timeout) = t;
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::Acquire)
+    }
+
+    /// A new subscription to events, from now on.
+    pub fn events(&self) -> broadcast::Receiver<Event> {
+        self.inner.events.subscribe()
+    }
+
+    /// Runs a typed command.
+    pub async fn execute<C: Command>(&self, cmd: &C) -> Result<C::Ok, QmpError> {
+        let args = if cmd.has_args() {
+            Some(serde_json::to_value(cmd).map_err(|e| QmpError::Protocol(e.to_string()))?)
+        } else {
+            None
+        };
+        let v = self.execute_raw(C::NAME, args).await?;
+        serde_json::from_value(v).map_err(|e| QmpError::Decode {
+            command: C::NAME.to_string(),
+            msg: e.to_string(),
+        })
+    }
+
+    /// Runs any command by name with JSON arguments; returns the `return` value.
+    pub async fn execute_raw(&self, name: &str, args: Option<Value>) -> Result<Value, QmpError> {
+        if self.is_closed() {
+            return Err(QmpError::Closed(lock(&self.inner.close_reason).clone()));
+        }
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.inner.pending).insert(id, (name.to_string(), tx));
+        let mut msg = json!({"execute": name, "id": id});
+        if let Some(a) = args.filter(|a| !a.is_null()) {
+            msg["arguments"] = a;
+        }
+        let timeout = *lock(&self.inner.timeout);
+        let sent = {
+            let mut w = self.inner.writer.lock().await;
+            write_message(&mut w, &msg).await
+        };
+        if let Err(e) = sent {
+            lock(&self.inner.pending).remove(&id);
+            return Err(e);
+        }
+        // A reader that ended between the insert and now has already failed this entry.
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(_)) => Err(QmpError::Closed(lock(&self.inner.close_reason).clone())),
+            Err(_) => {
+                lock(&self.inner.pending).remove(&id);
+                Err(QmpError::Timeout {
+                    command: name.to_string(),
+                    timeout,
+                })
+            }
+        }
+    }
+}
+
+async fn reader_task(mut r: BufReader<OwnedReadHalf>, inner: Arc<Inner>) {
+    let reason = loop {
+        match read_message(&mut r).await {
+            Ok(None) => break "QEMU closed the socket".to_string(),
+            Err(e) => break e.to_string(),
+            Ok(Some(v)) => dispatch(&inner, v),
+        }
+    };
+    debug!(path = %inner.path.display(), %reason, "QMP reader ended");
+    *lock(&inner.close_reason) = Some(reason.clone());
+    inner.closed.store(true, Ordering::Release);
+    let pending: Vec<_> = lock(&inner.pending).drain().collect();
+    for (_, (_, tx)) in pending {
+        let _ = tx.send(Err(QmpError::Closed(Some(reason.clone()))));
+    }
+}
+
+fn dispatch(inner: &Inner, v: Value) {
+    if let Some(name) = v.get("event").and_then(Value::as_str) {
+        let ts = &v["timestamp"];
+        let ev = Event {
+            name: name.to_string(),
+            data: v.get("data").cloned().unwrap_or(Value::Null),
+            timestamp: (
+                ts["seconds"].as_i64().unwrap_or(0),
+                ts["microseconds"].as_i64().unwrap_or(0),
+            ),
+        };
+        // No subscriber is fine: nobody asked for events.
+        let _ = inner.events.send(ev);
+        return;
+    }
+    let Some(id) = v.get("id").and_then(Value::as_u64) else {
+        warn!("QMP message without id or event ignored: {v}");
+        return;
+    };
+    let Some((command, tx)) = lock(&inner.pending).remove(&id) else {
+        warn!(id, "QMP reply for no pending command (timed out?)");
+        return;
+    };
+    let reply = if let Some(e) = v.get("error") {
+        Err(qemu_error(&command, e))
+    } else if let Some(r) = v.get("return") {
+        Ok(r.clone())
+    } else {
+        Err(QmpError::Protocol(format!(
+            "reply with neither return nor error: {v}"
+        )))
+    };
+    let _ = tx.send(reply);
+}
