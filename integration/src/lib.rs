@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
+pub mod capture;
 pub mod compare;
 
 /// The integration crate's folder.

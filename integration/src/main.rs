@@ -28,6 +28,11 @@ enum Cmd {
         #[arg(long, default_value_t = 16)]
         mib: u32,
     },
+    /// Capture QEMU 10's QMP outputs (block nodes, graph, status…) of a lab VM into DIR.
+    Capture {
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Benchmark: fio bare metal vs qemu-storage-daemon vs acceld on one file (release build).
     Compare {
         /// The file (default: 1 GiB on tmpfs).
@@ -53,6 +58,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Demo { dir, mib } => demo(dir, mib),
+        Cmd::Capture { out } => accel_integration::capture::capture(&out),
         Cmd::Compare {
             image,
             size_mib,
