@@ -333,6 +333,17 @@ impl Qmp {
 
     /// Runs any command by name with JSON arguments; returns the `return` value.
     pub async fn execute_raw(&self, name: &str, args: Option<Value>) -> Result<Value, QmpError> {
+        let timeout = *lock(&self.inner.timeout);
+        self.execute_raw_timeout(name, args, timeout).await
+    }
+
+    /// [`Qmp::execute_raw`] with this command's own timeout.
+    pub async fn execute_raw_timeout(
+        &self,
+        name: &str,
+        args: Option<Value>,
+        timeout: Duration,
+    ) -> Result<Value, QmpError> {
         if self.is_closed() {
             return Err(QmpError::Closed(lock(&self.inner.close_reason).clone()));
         }
@@ -343,7 +354,6 @@ impl Qmp {
         if let Some(a) = args.filter(|a| !a.is_null()) {
             msg["arguments"] = a;
         }
-        let timeout = *lock(&self.inner.timeout);
         let sent = {
             let mut w = self.inner.writer.lock().await;
             write_message(&mut w, &msg).await

@@ -203,9 +203,14 @@ async fn command_timeout() {
     })
     .await;
     let q = connect(&p).await.unwrap().negotiate().await.unwrap();
+    let e = q
+        .execute_raw_timeout("slow", None, Duration::from_millis(50))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, QmpError::Timeout { .. }), "{e}");
     q.set_timeout(Duration::from_millis(100));
     let e = q.execute_raw("slow", None).await.unwrap_err();
-    assert!(matches!(e, QmpError::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("no reply within"), "{e}");
 }
 
 #[tokio::test]
