@@ -188,8 +188,9 @@ fn combinations_list_every_reason_once() {
 }
 
 fn fixture(name: &str) -> Value {
+    // Copies of shared/fixtures/qmp-qemu-10.0.2 (real QEMU 10.0.2 outputs, see README.txt).
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/qmp-qemu-10.0.2")
+        .join("tests/fixtures")
         .join(name);
     let s = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     serde_json::from_str(&s).unwrap()
