@@ -11,18 +11,34 @@ use serde_json::Value;
 
 use crate::acceld_bin;
 
-#[derive(Clone, Debug)]
+/// `accel-integration compare` options.
+#[derive(Clone, Debug, clap::Args)]
 pub struct CompareOpts {
+    /// The file (default: 1 GiB on tmpfs).
+    #[arg(long, default_value = "/dev/shm/accel-bench.raw")]
     pub image: PathBuf,
+    #[arg(long, default_value_t = 1024)]
     pub size_mib: u64,
+    /// Repeats of each cell (the table shows the median).
+    #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    #[arg(long, default_value_t = 3.0)]
     pub seconds: f64,
+    #[arg(long, value_delimiter = ',', default_value = "1,32,128")]
     pub depths: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
     pub queues: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "randread,randwrite")]
     pub workloads: Vec<String>,
+    /// CPU for the server (and for fio).
+    #[arg(long, default_value_t = 1)]
     pub server_cpu: usize,
+    /// CPU for the client (accel-bench).
+    #[arg(long, default_value_t = 0)]
     pub client_cpu: usize,
-    pub bench: PathBuf,
+    /// The accel-bench binary (default: next to this program).
+    #[arg(long)]
+    pub bench: Option<PathBuf>,
 }
 
 /// One measurement.
@@ -130,7 +146,7 @@ fn client(
     let out = Command::new("taskset")
         .arg("-c")
         .arg(o.client_cpu.to_string())
-        .arg(&o.bench)
+        .arg(bench_bin(o)?)
         .arg("--socket")
         .arg(sock)
         .args(["--workload", rw, "--bs", "4k", "--json", "--poll"])
@@ -153,6 +169,13 @@ fn client(
         p99_us: v["p99_us"].as_f64().unwrap_or(0.0),
         per_cpu: v["iops_per_cpu_s"].as_f64().unwrap_or(0.0),
     })
+}
+
+fn bench_bin(o: &CompareOpts) -> Result<PathBuf> {
+    match &o.bench {
+        Some(b) => Ok(b.clone()),
+        None => Ok(std::env::current_exe()?.with_file_name("accel-bench")),
+    }
 }
 
 fn qsd(o: &CompareOpts, sock: &Path, queues: usize) -> Result<Kill> {

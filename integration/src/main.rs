@@ -34,24 +34,7 @@ enum Cmd {
         out: PathBuf,
     },
     /// Benchmark: fio bare metal vs qemu-storage-daemon vs acceld on one file (release build).
-    Compare {
-        /// The file (default: 1 GiB on tmpfs).
-        #[arg(long, default_value = "/dev/shm/accel-bench.raw")]
-        image: PathBuf,
-        #[arg(long, default_value_t = 1024)]
-        size_mib: u64,
-        /// Repeats of each cell (the table shows the median).
-        #[arg(long, default_value_t = 3)]
-        runs: usize,
-        #[arg(long, default_value_t = 3.0)]
-        seconds: f64,
-        #[arg(long, value_delimiter = ',', default_value = "1,32,128")]
-        depths: Vec<usize>,
-        #[arg(long, value_delimiter = ',', default_value = "1,2")]
-        queues: Vec<usize>,
-        #[arg(long, value_delimiter = ',', default_value = "randread,randwrite")]
-        workloads: Vec<String>,
-    },
+    Compare(accel_integration::compare::CompareOpts),
 }
 
 fn main() -> ExitCode {
@@ -59,30 +42,7 @@ fn main() -> ExitCode {
     let res = match cli.cmd {
         Cmd::Demo { dir, mib } => demo(dir, mib),
         Cmd::Capture { out } => accel_integration::capture::capture(&out),
-        Cmd::Compare {
-            image,
-            size_mib,
-            runs,
-            seconds,
-            depths,
-            queues,
-            workloads,
-        } => std::env::current_exe()
-            .map_err(anyhow::Error::from)
-            .and_then(|exe| {
-                accel_integration::compare::compare(&accel_integration::compare::CompareOpts {
-                    image,
-                    size_mib,
-                    runs,
-                    seconds,
-                    depths,
-                    queues,
-                    workloads,
-                    server_cpu: 1,
-                    client_cpu: 0,
-                    bench: exe.with_file_name("accel-bench"),
-                })
-            }),
+        Cmd::Compare(o) => accel_integration::compare::compare(&o),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
