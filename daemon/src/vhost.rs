@@ -89,6 +89,20 @@ struct Mapping {
     region: Arc<GuestRegionMmap<()>>,
 }
 
+impl Mapping {
+    /// Maps one region the frontend sent (SET_MEM_TABLE or ADD_MEM_REGION).
+    fn new(r: &VhostUserMemoryRegion, file: File) -> VuResult<Self> {
+        let region = GuestRegionMmap::new(r.mmap_region(file)?, GuestAddress(r.guest_phys_addr))
+            .ok_or(VuError::InvalidParam)?;
+        Ok(Mapping {
+            gpa: r.guest_phys_addr,
+            size: r.memory_size,
+            user_addr: r.user_addr,
+            region: Arc::new(region),
+        })
+    }
+}
+
 #[derive(Default)]
 struct VringState {
     size: u16,
@@ -297,17 +311,11 @@ impl VhostUserBackendReqHandlerMut for Connection {
         if postcopy_listening.is_some() {
             return Err(VuError::InvalidOperation("postcopy not supported"));
         }
-        let mut maps = Vec::with_capacity(ctx.len());
-        for (r, f) in ctx.iter().zip(files) {
-            let region = GuestRegionMmap::new(r.mmap_region(f)?, GuestAddress(r.guest_phys_addr))
-                .ok_or(VuError::InvalidParam)?;
-            maps.push(Mapping {
-                gpa: r.guest_phys_addr,
-                size: r.memory_size,
-                user_addr: r.user_addr,
-                region: Arc::new(region),
-            });
-        }
+        let maps = ctx
+            .iter()
+            .zip(files)
+            .map(|(r, f)| Mapping::new(r, f))
+            .collect::<VuResult<Vec<_>>>()?;
         self.maps = maps;
         self.rebuild_memory()?;
         Ok(None)
@@ -505,17 +513,7 @@ impl VhostUserBackendReqHandlerMut for Connection {
         if self.maps.len() as u64 >= MAX_MEM_SLOTS {
             return Err(VuError::InvalidParam);
         }
-        let r = GuestRegionMmap::new(
-            region.mmap_region(fd)?,
-            GuestAddress(region.guest_phys_addr),
-        )
-        .ok_or(VuError::InvalidParam)?;
-        self.maps.push(Mapping {
-            gpa: region.guest_phys_addr,
-            size: region.memory_size,
-            user_addr: region.user_addr,
-            region: Arc::new(r),
-        });
+        self.maps.push(Mapping::new(region, fd)?);
         if let Err(e) = self.rebuild_memory() {
             self.maps.pop();
             return Err(e);

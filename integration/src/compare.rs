@@ -4,10 +4,12 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
+
+use accel_tests::harness::{wait_socket, Qsd, QsdOptions};
 
 use crate::acceld_bin;
 
@@ -56,17 +58,6 @@ impl Drop for Kill {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn wait_socket(p: &Path) -> Result<()> {
-    let t0 = Instant::now();
-    while std::os::unix::net::UnixStream::connect(p).is_err() {
-        if t0.elapsed() > Duration::from_secs(10) {
-            bail!("{} did not come up", p.display());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(())
 }
 
 fn prepare_image(o: &CompareOpts) -> Result<()> {
@@ -178,30 +169,18 @@ fn bench_bin(o: &CompareOpts) -> Result<PathBuf> {
     }
 }
 
-fn qsd(o: &CompareOpts, sock: &Path, queues: usize) -> Result<Kill> {
-    let _ = std::fs::remove_file(sock);
-    let c = Command::new("taskset")
-        .arg("-c")
-        .arg(o.server_cpu.to_string())
-        .arg("qemu-storage-daemon")
-        .arg("--blockdev")
-        .arg(format!(
-            "driver=file,node-name=f0,filename={},cache.direct=on,aio=io_uring",
-            o.image.display()
-        ))
-        .args(["--blockdev", "driver=raw,node-name=d0,file=f0"])
-        .arg("--export")
-        .arg(format!(
-            "type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path={},writable=on,num-queues={queues}",
-            sock.display()
-        ))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("qemu-storage-daemon")?;
-    let k = Kill(c);
-    wait_socket(sock)?;
-    Ok(k)
+fn qsd(o: &CompareOpts, sock: &Path, queues: usize) -> Result<Qsd> {
+    Qsd::start(
+        &o.image,
+        sock,
+        &QsdOptions {
+            queues: queues as u16,
+            aio_io_uring: true,
+            cpu: Some(o.server_cpu),
+            ..Default::default()
+        },
+    )
+    .context("qemu-storage-daemon")
 }
 
 fn acceld(o: &CompareOpts, sock: &Path, queues: usize) -> Result<Kill> {
@@ -222,7 +201,7 @@ fn acceld(o: &CompareOpts, sock: &Path, queues: usize) -> Result<Kill> {
         .spawn()
         .context("acceld")?;
     let k = Kill(c);
-    wait_socket(sock)?;
+    wait_socket(sock, Duration::from_secs(10))?;
     Ok(k)
 }
 
@@ -262,7 +241,7 @@ pub fn compare(o: &CompareOpts) -> Result<()> {
                     c.fio.push(fio(o, rw, d, q)?);
                     {
                         let s = qsd(o, &sock, q)?;
-                        c.qsd.push(client(o, &sock, s.0.id(), rw, d, q)?);
+                        c.qsd.push(client(o, &sock, s.pid(), rw, d, q)?);
                     }
                     {
                         let s = acceld(o, &sock, q)?;

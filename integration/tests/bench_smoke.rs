@@ -2,10 +2,10 @@
 //! against acceld and against qemu-storage-daemon's vhost-user-blk export.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use accel_integration::Acceld;
+use accel_tests::harness::{Qsd, QsdOptions};
 
 fn bench(socket: &Path) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_accel-bench"))
@@ -61,14 +61,6 @@ fn bench_verifies_against_acceld() {
     check(&bench(&sock));
 }
 
-struct Kill(Child);
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn bench_verifies_against_qemu_storage_daemon() {
     let dir = tempfile::Builder::new()
@@ -77,27 +69,14 @@ fn bench_verifies_against_qemu_storage_daemon() {
         .unwrap();
     let img = image(dir.path());
     let sock = dir.path().join("q.sock");
-    let _q = Kill(
-        Command::new("qemu-storage-daemon")
-            .arg("--blockdev")
-            .arg(format!(
-                "driver=file,node-name=f0,filename={},cache.direct=on",
-                img.display()
-            ))
-            .args(["--blockdev", "driver=raw,node-name=d0,file=f0"])
-            .arg("--export")
-            .arg(format!(
-                "type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path={},writable=on,num-queues=2",
-                sock.display()
-            ))
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("qemu-storage-daemon (qemu-utils)"),
-    );
-    let t0 = Instant::now();
-    while !sock.exists() {
-        assert!(t0.elapsed() < Duration::from_secs(10));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let _q = Qsd::start(
+        &img,
+        &sock,
+        &QsdOptions {
+            queues: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     check(&bench(&sock));
 }

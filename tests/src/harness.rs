@@ -121,3 +121,100 @@ pub fn init_logs() {
             .try_init();
     }
 }
+
+/// Waits until something accepts connections on a unix socket.
+pub fn wait_socket(path: &Path, timeout: std::time::Duration) -> std::io::Result<()> {
+    let t0 = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(path).is_err() {
+        if t0.elapsed() > timeout {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("{} did not come up within {timeout:?}", path.display()),
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// How to run QEMU's own vhost-user-blk export for comparison.
+#[derive(Clone, Debug)]
+pub struct QsdOptions {
+    pub queues: u16,
+    pub writable: bool,
+    pub logical_block_size: u32,
+    /// `aio=io_uring` on the file node (QEMU's fastest setting, for benchmarks).
+    pub aio_io_uring: bool,
+    /// Pin to this CPU (taskset).
+    pub cpu: Option<usize>,
+}
+
+impl Default for QsdOptions {
+    fn default() -> Self {
+        QsdOptions {
+            queues: 1,
+            writable: true,
+            logical_block_size: 512,
+            aio_io_uring: false,
+            cpu: None,
+        }
+    }
+}
+
+/// `qemu-storage-daemon --export type=vhost-user-blk` on an image (O_DIRECT, raw over file),
+/// killed on drop.
+pub struct Qsd(std::process::Child);
+
+impl Qsd {
+    /// Starts it and returns once its socket accepts connections.
+    pub fn start(image: &Path, socket: &Path, o: &QsdOptions) -> std::io::Result<Self> {
+        use std::process::{Command, Stdio};
+        let _ = std::fs::remove_file(socket);
+        let mut c = match o.cpu {
+            Some(cpu) => {
+                let mut c = Command::new("taskset");
+                c.arg("-c").arg(cpu.to_string()).arg("qemu-storage-daemon");
+                c
+            }
+            None => Command::new("qemu-storage-daemon"),
+        };
+        c.arg("--blockdev")
+            .arg(format!(
+                "driver=file,node-name=file0,filename={},cache.direct=on{}",
+                image.display(),
+                if o.aio_io_uring { ",aio=io_uring" } else { "" }
+            ))
+            .args(["--blockdev", "driver=raw,node-name=disk0,file=file0"])
+            .arg("--export")
+            .arg(format!(
+                "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path={},writable={},num-queues={},logical-block-size={}",
+                socket.display(),
+                if o.writable { "on" } else { "off" },
+                o.queues,
+                o.logical_block_size
+            ))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        let child = c.spawn().map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot run qemu-storage-daemon (qemu-utils; integration/setup.sh): {e}"),
+            )
+        })?;
+        let q = Qsd(child);
+        wait_socket(socket, std::time::Duration::from_secs(10))?;
+        Ok(q)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Qsd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -2,50 +2,8 @@
 //! the guest-visible feature bits and config space must match, except what acceld documents
 //! as not implemented (VHOST_F_LOG_ALL and the protocol features it does not offer).
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-use accel_tests::harness::{ServerOptions, TestServer};
+use accel_tests::harness::{Qsd, QsdOptions, ServerOptions, TestServer};
 use accel_tests::{handshake, Negotiated, VHOST_F_LOG_ALL};
-
-struct Qsd(Child);
-
-impl Drop for Qsd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn qsd(image: &Path, socket: &Path, queues: u16, writable: bool, lbs: u32) -> Qsd {
-    let child = Command::new("qemu-storage-daemon")
-        .arg("--blockdev")
-        .arg(format!(
-            "driver=file,node-name=file0,filename={},cache.direct=on",
-            image.display()
-        ))
-        .args(["--blockdev", "driver=raw,node-name=disk0,file=file0"])
-        .arg("--export")
-        .arg(format!(
-            "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path={},writable={},num-queues={queues},logical-block-size={lbs}",
-            socket.display(),
-            if writable { "on" } else { "off" }
-        ))
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("qemu-storage-daemon must be installed (qemu-utils); .ci/run installs it");
-    let t0 = Instant::now();
-    while !socket.exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "qsd did not create its socket"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Qsd(child)
-}
 
 fn names(bits: u64, table: &[(u64, &str)]) -> Vec<String> {
     table
@@ -82,7 +40,17 @@ fn compare(queues: u16, read_only: bool, lbs: u32) {
         ..Default::default()
     });
     let qsd_sock = s.dir.path().join("qsd.sock");
-    let _q = qsd(&s.image, &qsd_sock, queues, !read_only, lbs);
+    let _q = Qsd::start(
+        &s.image,
+        &qsd_sock,
+        &QsdOptions {
+            queues,
+            writable: !read_only,
+            logical_block_size: lbs,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let (_fe_q, theirs): (_, Negotiated) = handshake(&qsd_sock, queues.into()).unwrap();
     let (_fe_a, ours): (_, Negotiated) = handshake(&s.socket, queues.into()).unwrap();
     println!(
