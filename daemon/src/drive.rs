@@ -112,14 +112,18 @@ pub struct SwitchReport {
 struct EngineSlot {
     engine: Arc<dyn Engine>,
     generation: u64,
+    /// A pause is in progress: workers that start now start paused, with no engine context.
+    paused: bool,
 }
 
 pub struct Drive {
     cfg: DriveConfig,
     engine: Mutex<EngineSlot>,
-    /// Held for the whole of a switch, and while a worker starts, so a worker always starts on
-    /// the current engine and a switch sees every running worker.
-    switch_lock: Mutex<()>,
+    /// Set while a pause (a switch) is in progress: one at a time per drive.
+    switching: AtomicBool,
+    /// Held while a worker starts and while a pause or resume walks the workers, so a worker
+    /// always starts on the current engine (or paused) and a switch sees every running worker.
+    attach_lock: Mutex<()>,
     running: Mutex<Vec<Arc<QueueCtl>>>,
     /// Write cache enabled (config space `writeback`, set by the driver with CONFIG_WCE). When
     /// false, every write is write-through.
@@ -135,8 +139,10 @@ impl Drive {
             engine: Mutex::new(EngineSlot {
                 engine,
                 generation: 0,
+                paused: false,
             }),
-            switch_lock: Mutex::new(()),
+            switching: AtomicBool::new(false),
+            attach_lock: Mutex::new(()),
             running: Mutex::new(Vec::new()),
             writeback: AtomicBool::new(false),
             stats: DriveStats::default(),
@@ -160,16 +166,25 @@ impl Drive {
         self.writeback.store(on, Ordering::Relaxed);
     }
 
-    /// Called by a worker as it starts: the current engine's context for its queue. Registers
-    /// the worker so that switches pause it.
+    /// Called by a worker as it starts: the current engine's context for its queue, or a null
+    /// context and a paused start while the drive is held or a switch is in progress.
+    /// Registers the worker so that switches pause it.
     pub(crate) fn attach_worker(
         &self,
         ctl: &Arc<QueueCtl>,
         depth: u32,
     ) -> Result<crate::worker::NextEngine, EngineError> {
-        let _sw = lock(&self.switch_lock);
-        let engine = self.engine();
-        let io = engine.open_queue(ctl.index(), depth)?;
+        let _a = lock(&self.attach_lock);
+        let (engine, paused) = {
+            let slot = lock(&self.engine);
+            (slot.engine.clone(), slot.paused)
+        };
+        let io = if paused || engine.holds() {
+            ctl.start_paused();
+            Box::new(NullIo::new()?) as Box<dyn crate::engine::QueueIo>
+        } else {
+            engine.open_queue(ctl.index(), depth)?
+        };
         lock(&self.running).push(ctl.clone());
         Ok((io, engine))
     }
@@ -178,60 +193,230 @@ impl Drive {
         lock(&self.running).retain(|c| !Arc::ptr_eq(c, ctl));
     }
 
-    /// Moves the drive to `new` without losing or reordering a request: see the module doc.
-    pub fn switch_engine(&self, new: Arc<dyn Engine>) -> Result<SwitchReport, SwitchError> {
-        let _sw = self
-            .switch_lock
-            .try_lock()
-            .map_err(|_| SwitchError::Busy(self.cfg.name.clone()))?;
-        let from = self.engine().name().to_string();
-        let workers: Vec<Arc<QueueCtl>> = lock(&self.running).clone();
-        // Open the new contexts before pausing, so the pause holds no set-up work.
-        let mut fresh = Vec::with_capacity(workers.len());
-        for w in &workers {
-            fresh.push(
-                new.open_queue(w.index(), w.depth())
-                    .map_err(SwitchError::Prepare)?,
-            );
+    /// Stops every queue from taking new requests (they stay in the vring) and waits until
+    /// each queue's in-flight requests have completed on the current engine. Nothing is
+    /// cancelled. On a drain timeout the queues resume on the current engine.
+    ///
+    /// The returned [`Paused`] ends the pause: [`Paused::resume`] on a new engine (or the same
+    /// one); dropping it resumes on the current engine.
+    pub fn pause(self: &Arc<Self>) -> Result<Paused, SwitchError> {
+        if self.switching.swap(true, Ordering::AcqRel) {
+            return Err(SwitchError::Busy(self.cfg.name.clone()));
         }
         let t0 = Instant::now();
+        let from = self.engine().name().to_string();
+        let workers = {
+            let _a = lock(&self.attach_lock);
+            lock(&self.engine).paused = true;
+            lock(&self.running).clone()
+        };
         for w in &workers {
             w.request_pause();
         }
         let deadline = t0 + self.drain_timeout;
         for w in &workers {
             if !w.wait_drained(deadline) {
-                // Rollback: the old engine keeps every queue; nothing was cancelled.
-                for w in &workers {
+                warn!(drive = %self.cfg.name, queue = w.index(), "drain timed out, pause abandoned");
+                let _a = lock(&self.attach_lock);
+                lock(&self.engine).paused = false;
+                for w in lock(&self.running).iter() {
                     w.resume(None);
                 }
-                warn!(drive = %self.cfg.name, queue = w.index(), "drain timed out, switch rolled back");
+                self.switching.store(false, Ordering::Release);
                 return Err(SwitchError::DrainTimeout {
                     queue: w.index(),
                     timeout: self.drain_timeout,
                 });
             }
         }
+        Ok(Paused {
+            drive: self.clone(),
+            t0,
+            from,
+            queues: workers.len(),
+            ended: false,
+        })
+    }
+
+    /// Moves the drive to `new` without losing or reordering a request: pause, drain,
+    /// resume on `new`. When `new` cannot open its queue contexts, the drive resumes on the
+    /// old engine.
+    pub fn switch_engine(
+        self: &Arc<Self>,
+        new: Arc<dyn Engine>,
+    ) -> Result<SwitchReport, SwitchError> {
+        let p = self.pause()?;
+        match p.resume(new) {
+            Ok(r) => Ok(r),
+            Err((p, e)) => {
+                drop(p);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A drive whose queues are paused and drained (see [`Drive::pause`]).
+pub struct Paused {
+    drive: Arc<Drive>,
+    t0: Instant,
+    from: String,
+    queues: usize,
+    ended: bool,
+}
+
+impl Paused {
+    pub fn drive(&self) -> &Arc<Drive> {
+        &self.drive
+    }
+
+    /// Time since the pause began.
+    pub fn elapsed(&self) -> Duration {
+        self.t0.elapsed()
+    }
+
+    /// Ends the pause on `engine`: each queue gets a fresh context on it. A holding engine
+    /// keeps the queues paused (requests wait in the vring). When a context cannot be opened,
+    /// the drive stays paused and the pause comes back with the error, for a rollback.
+    pub fn resume(
+        mut self,
+        engine: Arc<dyn Engine>,
+    ) -> Result<SwitchReport, (Paused, SwitchError)> {
+        let d = self.drive.clone();
+        let a = lock(&d.attach_lock);
+        let workers: Vec<Arc<QueueCtl>> = lock(&d.running).clone();
+        let mut fresh = Vec::with_capacity(workers.len());
+        if !engine.holds() {
+            for w in &workers {
+                match engine.open_queue(w.index(), w.depth()) {
+                    Ok(io) => fresh.push(io),
+                    Err(e) => {
+                        drop(a);
+                        return Err((self, SwitchError::Prepare(e)));
+                    }
+                }
+            }
+        }
         {
-            let mut slot = lock(&self.engine);
-            slot.engine = new.clone();
+            let mut slot = lock(&d.engine);
+            slot.engine = engine.clone();
             slot.generation += 1;
+            slot.paused = false;
         }
         for (w, io) in workers.iter().zip(fresh) {
-            w.resume(Some((io, new.clone())));
+            w.resume(Some((io, engine.clone())));
         }
-        let pause = t0.elapsed();
-        self.stats.switches.fetch_add(1, Ordering::Relaxed);
-        self.stats
-            .last_pause_us
-            .store(pause.as_micros() as u64, Ordering::Relaxed);
-        info!(drive = %self.cfg.name, %from, to = new.name(), queues = workers.len(), pause_us = pause.as_micros() as u64, "engine switched");
+        drop(a);
+        self.ended = true;
+        d.switching.store(false, Ordering::Release);
+        let pause = self.t0.elapsed();
+        if engine.holds() {
+            info!(drive = %d.cfg.name, from = %self.from, "drive held: requests wait in the vring");
+        } else {
+            d.stats.switches.fetch_add(1, Ordering::Relaxed);
+            d.stats
+                .last_pause_us
+                .store(pause.as_micros() as u64, Ordering::Relaxed);
+            info!(drive = %d.cfg.name, from = %self.from, to = engine.name(), queues = self.queues, pause_us = pause.as_micros() as u64, "engine switched");
+        }
         Ok(SwitchReport {
-            from,
-            to: new.name().to_string(),
-            queues: workers.len(),
+            from: std::mem::take(&mut self.from),
+            to: engine.name().to_string(),
+            queues: self.queues,
             pause,
         })
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        // Abandoned: the queues go on with the current engine. Fresh contexts, since a worker
+        // that started during the pause has none.
+        let d = &self.drive;
+        let _a = lock(&d.attach_lock);
+        let engine = {
+            let mut slot = lock(&d.engine);
+            slot.paused = false;
+            slot.engine.clone()
+        };
+        if !engine.holds() {
+            for w in lock(&d.running).iter() {
+                match engine.open_queue(w.index(), w.depth()) {
+                    Ok(io) => w.resume(Some((io, engine.clone()))),
+                    Err(e) => {
+                        warn!(drive = %d.cfg.name, queue = w.index(), "cannot reopen the engine: {e}");
+                        w.resume(None)
+                    }
+                }
+            }
+        }
+        d.switching.store(false, Ordering::Release);
+        warn!(drive = %d.cfg.name, "pause ended without a switch; queues resumed on {}", self.from);
+    }
+}
+
+/// A queue context that has nothing to do: for workers that start paused. Anything pushed to
+/// it fails with EIO (it is never used while paused).
+struct NullIo {
+    done: vmm_sys_util::eventfd::EventFd,
+    failed: Vec<(u64, i32)>,
+}
+
+impl NullIo {
+    fn new() -> Result<Self, EngineError> {
+        Ok(NullIo {
+            done: vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
+                .map_err(EngineError::EventFd)?,
+            failed: Vec::new(),
+        })
+    }
+}
+
+impl crate::engine::QueueIo for NullIo {
+    unsafe fn push(&mut self, _op: &crate::engine::IoOp, token: u64) -> bool {
+        self.failed.push((token, -libc::EIO));
+        let _ = self.done.write(1);
+        true
+    }
+    fn submit(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn completion_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.done.as_raw_fd()
+    }
+    fn reap(&mut self, out: &mut Vec<(u64, i32)>) {
+        let _ = self.done.read();
+        out.append(&mut self.failed);
+    }
+}
+
+/// An engine that serves nothing: a drive on it keeps its requests in the vring until it is
+/// switched to a real engine (a drive that needs QEMU before the supervisor has attached).
+pub struct HeldEngine;
+
+impl Engine for HeldEngine {
+    fn name(&self) -> &str {
+        "held"
+    }
+    fn buffer_alignment(&self) -> u32 {
+        1
+    }
+    fn is_block_device(&self) -> bool {
+        false
+    }
+    fn holds(&self) -> bool {
+        true
+    }
+    fn open_queue(
+        &self,
+        _queue: usize,
+        _depth: u32,
+    ) -> Result<Box<dyn crate::engine::QueueIo>, EngineError> {
+        Ok(Box::new(NullIo::new()?))
     }
 }
 

@@ -37,6 +37,12 @@ pub enum EngineError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot open the NBD connection of queue {queue}")]
+    Nbd {
+        queue: usize,
+        #[source]
+        source: Box<crate::nbd::NbdError>,
+    },
     #[error("cannot create an eventfd")]
     EventFd(#[source] io::Error),
 }
@@ -60,8 +66,14 @@ pub enum IoOp {
     },
     /// Make every completed write durable.
     Flush,
-    /// `fallocate(2)` with this mode (punch hole or zero range, always KEEP_SIZE).
-    Fallocate { offset: u64, len: u64, mode: i32 },
+    /// `fallocate(2)` with this mode (punch hole or zero range, always KEEP_SIZE). `zeroes`:
+    /// the range must read as zeroes afterwards (WRITE_ZEROES); false for a DISCARD hint.
+    Fallocate {
+        offset: u64,
+        len: u64,
+        mode: i32,
+        zeroes: bool,
+    },
 }
 
 /// A queue's private I/O context. Results are bytes transferred or a negative errno.
@@ -94,6 +106,10 @@ pub trait Engine: Send + Sync {
     fn buffer_alignment(&self) -> u32;
     /// Whether fallocate can punch holes and zero ranges on this image.
     fn is_block_device(&self) -> bool;
+    /// Whether queues on this engine stay paused (requests wait in the vring).
+    fn holds(&self) -> bool {
+        false
+    }
     /// A private context for queue `queue` that keeps up to `depth` operations in flight.
     fn open_queue(&self, queue: usize, depth: u32) -> Result<Box<dyn QueueIo>, EngineError>;
 }
@@ -301,7 +317,9 @@ impl QueueIo for RingQueue {
                 .flags(types::FsyncFlags::DATASYNC)
                 .build()
                 .flags(squeue::Flags::IO_DRAIN),
-            IoOp::Fallocate { offset, len, mode } => opcode::Fallocate::new(FIXED_FILE, len)
+            IoOp::Fallocate {
+                offset, len, mode, ..
+            } => opcode::Fallocate::new(FIXED_FILE, len)
                 .offset(offset)
                 .mode(mode)
                 .build(),

@@ -3,6 +3,7 @@
 
 pub mod drive;
 pub mod engine;
+pub mod nbd;
 pub mod serve;
 pub mod vhost;
 pub mod virtio_blk;

@@ -127,6 +127,13 @@ impl QueueCtl {
         self.poke();
     }
 
+    /// Marks a worker that has not started yet as paused from its first moment.
+    pub(crate) fn start_paused(&self) {
+        let mut st = lock(&self.st);
+        st.pause = true;
+        st.drained = false;
+    }
+
     fn request_stop(&self) {
         lock(&self.st).stop = true;
         self.poke();
@@ -352,6 +359,7 @@ impl Worker {
         let n = usize::from(p.queue.size()).max(1);
         let id = virtio_blk::id_bytes(&p.drive.config().serial);
         let poll_us = p.drive.config().poll_us;
+        let paused = lock(&ctl.st).pause;
         Worker {
             index: p.index,
             drive: p.drive,
@@ -374,7 +382,7 @@ impl Worker {
             },
             bounce_wait: VecDeque::new(),
             id,
-            paused: false,
+            paused,
             stopping: false,
             acked: false,
             starved: false,
@@ -649,7 +657,15 @@ impl Worker {
                 }
                 let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
                 self.slots[idx].stage = Stage::Fallocate(mode);
-                self.push(idx, IoOp::Fallocate { offset, len, mode });
+                self.push(
+                    idx,
+                    IoOp::Fallocate {
+                        offset,
+                        len,
+                        mode,
+                        zeroes: false,
+                    },
+                );
             }
             Op::WriteZeroes { offset, len, unmap } => {
                 stats.write_zeroes.fetch_add(1, Ordering::Relaxed);
@@ -662,7 +678,15 @@ impl Worker {
                     libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
                 };
                 self.slots[idx].stage = Stage::Fallocate(mode);
-                self.push(idx, IoOp::Fallocate { offset, len, mode });
+                self.push(
+                    idx,
+                    IoOp::Fallocate {
+                        offset,
+                        len,
+                        mode,
+                        zeroes: true,
+                    },
+                );
             }
             Op::Read { len, .. } | Op::Write { len, .. } => {
                 let read = matches!(op, Op::Read { .. });
@@ -877,6 +901,7 @@ impl Worker {
                             offset,
                             len,
                             mode: punch,
+                            zeroes: true,
                         },
                     );
                 } else {

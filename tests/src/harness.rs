@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use acceld::drive::{DiscardMode, Drive, DriveConfig};
-use acceld::engine::{FileEngine, FileEngineConfig};
+use acceld::engine::{Engine, FileEngine, FileEngineConfig};
 use acceld::vhost::{Server, ShutdownHandle};
 
 pub struct ServerOptions {
@@ -70,12 +70,25 @@ impl TestServer {
     }
 
     pub fn serve(dir: tempfile::TempDir, image: PathBuf, o: ServerOptions) -> Self {
-        let socket = dir.path().join("vhost.sock");
         let engine = file_engine(&image, &o);
+        let size = engine.size();
+        Self::serve_engine(dir, image, engine, size, o)
+    }
+
+    /// Serves `capacity` bytes through any engine (the image path is for the test's checks).
+    pub fn serve_engine(
+        dir: tempfile::TempDir,
+        image: PathBuf,
+        engine: Arc<dyn Engine>,
+        capacity: u64,
+        o: ServerOptions,
+    ) -> Self {
+        init_logs();
+        let socket = dir.path().join("vhost.sock");
         let cfg = DriveConfig {
             name: "test".into(),
             serial: o.serial.clone(),
-            capacity_bytes: engine.size(),
+            capacity_bytes: capacity,
             logical_block_size: o.logical_block_size,
             read_only: o.read_only,
             num_queues: o.queues,
@@ -216,5 +229,59 @@ impl Drop for Qsd {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// `qemu-storage-daemon` serving an image as an NBD export on a unix socket (QEMU's block
+/// layer: what the qemu engine talks to), killed on drop.
+pub struct QsdNbd {
+    child: std::process::Child,
+    pub socket: PathBuf,
+    pub export: String,
+}
+
+impl QsdNbd {
+    /// `format` is the image format (raw, qcow2); the export is named `disk0`, writable, and
+    /// takes no image lock (tests open the image from the host too).
+    pub fn start(image: &Path, format: &str, socket: &Path) -> std::io::Result<Self> {
+        use std::process::{Command, Stdio};
+        let _ = std::fs::remove_file(socket);
+        let child = Command::new("qemu-storage-daemon")
+            .arg("--blockdev")
+            .arg(format!(
+                "driver=file,node-name=file0,filename={},cache.direct=on,locking=off",
+                image.display()
+            ))
+            .arg("--blockdev")
+            .arg(format!("driver={format},node-name=disk0,file=file0"))
+            .arg("--nbd-server")
+            .arg(format!("addr.type=unix,addr.path={}", socket.display()))
+            .args([
+                "--export",
+                "type=nbd,id=exp0,node-name=disk0,name=disk0,writable=on",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let q = QsdNbd {
+            child,
+            socket: socket.to_path_buf(),
+            export: "disk0".into(),
+        };
+        wait_socket(socket, std::time::Duration::from_secs(10))?;
+        Ok(q)
+    }
+
+    /// SIGKILL: the export disappears with whatever is in flight.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for QsdNbd {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
