@@ -459,11 +459,14 @@ impl Conn {
     }
 }
 
+/// A write's payload: the request's iovecs, and the byte range of them this part sends.
+type Payload = (IoVecs, u64, u64);
+
 struct NbdQueue {
     conn: Arc<Conn>,
     info: ExportInfo,
     /// Request headers and payload references pushed since the last submit.
-    out: Vec<(usize, Option<(IoVecs, u64, u64)>)>,
+    out: Vec<(usize, Option<Payload>)>,
     hdrs: Vec<[u8; 28]>,
     iov: Vec<libc::iovec>,
     next_slot: u32,
