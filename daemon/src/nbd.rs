@@ -339,6 +339,10 @@ impl Engine for NbdEngine {
         "nbd"
     }
 
+    fn release(&self) {
+        self.close();
+    }
+
     fn buffer_alignment(&self) -> u32 {
         1
     }

@@ -116,6 +116,7 @@ impl ServeArgs {
             read_only: self.read_only,
             direct: self.direct == OnOff::On,
             logical_block_size: self.logical_block_size,
+            lock: true,
         })?;
         let size = engine.size();
         let block = u64::from(self.logical_block_size);

@@ -48,6 +48,7 @@ pub fn file_engine(image: &Path, o: &ServerOptions) -> Arc<FileEngine> {
             read_only: o.read_only,
             direct: o.direct,
             logical_block_size: o.logical_block_size,
+            lock: false,
         })
         .expect("open image"),
     )
