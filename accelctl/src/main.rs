@@ -1,1 +1,453 @@
-fn main() {}
+//! accelctl: the operator's CLI for acceld (`acceld run`), over its control socket.
+//!
+//! Exit codes: 0 done; 1 the operation failed; 2 bad usage or invalid request; 3 no such VM or
+//! drive; 4 already exists; 5 acceld is not reachable.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use acceld::control::{self, DriveSpec, ErrorKind, Request, ThrottleLimits};
+use clap::{Args, Parser, Subcommand};
+use serde_json::Value;
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "Operate acceld: see and steer where each guest disk is served"
+)]
+struct Cli {
+    /// acceld's run directory (its control socket is RUN_DIR/acceld.sock).
+    #[arg(
+        long,
+        env = "ACCEL_RUN_DIR",
+        default_value = "/run/accel",
+        global = true
+    )]
+    run_dir: PathBuf,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Every drive: engine, reasons, switches, pauses, rates, errors.
+    Status {
+        #[arg(long)]
+        json: bool,
+        /// Refresh every second until interrupted.
+        #[arg(long)]
+        watch: bool,
+    },
+    /// The policy's decision for a drive, every reason in words.
+    Explain {
+        vm: String,
+        drive: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Clear an operator pin and serve the drive directly if the rules allow.
+    Accelerate {
+        vm: String,
+        drive: String,
+        /// Pin to direct and keep the pin across acceld restarts.
+        #[arg(long)]
+        pin: bool,
+    },
+    /// Move the drive to QEMU's block layer and keep it there until `accelerate`.
+    Handback {
+        vm: String,
+        drive: String,
+        /// Keep the pin across acceld restarts.
+        #[arg(long)]
+        pin: bool,
+    },
+    /// Set I/O limits (QEMU's throttle filter; the drive moves to the qemu engine) or clear them.
+    Throttle(ThrottleArgs),
+    /// Register a VM's drives before QEMU starts; their sockets are served at once.
+    Register {
+        #[arg(long)]
+        vm: String,
+        /// The VM's QMP socket (QEMU: -qmp unix:PATH,server=on,wait=off).
+        #[arg(long)]
+        qmp: PathBuf,
+        /// id=D,image=PATH[,format=raw][,read-only=on][,serial=S][,queues=N][,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096]
+        #[arg(long = "drive", required = true)]
+        drives: Vec<String>,
+        /// `cont` the VM once every drive has an engine (when QEMU was started with -S).
+        #[arg(long)]
+        cont: bool,
+    },
+    /// Hand the VM's drives back to QEMU's graph and stop serving them.
+    Unregister { vm: String },
+    /// (Re)connect to the VM's QMP and decide again.
+    Attach { vm: String },
+    /// Stop supervising the VM (drives keep their engine, no more switching).
+    Detach { vm: String },
+    /// The QEMU arguments of the VM contract, one per line (or --shell: one quoted line).
+    QemuArgs {
+        #[arg(long)]
+        vm: String,
+        /// Guest memory (shared memfd backend).
+        #[arg(long, default_value = "512M")]
+        memory: String,
+        #[arg(long)]
+        shell: bool,
+    },
+}
+
+#[derive(Args, Debug)]
+struct ThrottleArgs {
+    vm: String,
+    drive: String,
+    #[arg(long)]
+    iops_total: Option<u64>,
+    #[arg(long)]
+    iops_read: Option<u64>,
+    #[arg(long)]
+    iops_write: Option<u64>,
+    #[arg(long)]
+    bps_total: Option<u64>,
+    #[arg(long)]
+    bps_read: Option<u64>,
+    #[arg(long)]
+    bps_write: Option<u64>,
+    /// Remove every limit (the drive goes back to direct after a quiet period).
+    #[arg(long, conflicts_with_all = ["iops_total", "iops_read", "iops_write", "bps_total", "bps_read", "bps_write"])]
+    clear: bool,
+}
+
+enum Fail {
+    Usage(String),
+    Remote(ErrorKind, String),
+    Unreachable(String),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(&cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Fail::Usage(m)) => {
+            eprintln!("accelctl: {m}");
+            ExitCode::from(2)
+        }
+        Err(Fail::Remote(k, m)) => {
+            eprintln!("accelctl: {m}");
+            ExitCode::from(match k {
+                ErrorKind::Failed => 1,
+                ErrorKind::Invalid => 2,
+                ErrorKind::NotFound => 3,
+                ErrorKind::Exists => 4,
+            })
+        }
+        Err(Fail::Unreachable(m)) => {
+            eprintln!("accelctl: {m}");
+            ExitCode::from(5)
+        }
+    }
+}
+
+fn call(cli: &Cli, req: &Request) -> Result<Value, Fail> {
+    let sock = cli.run_dir.join("acceld.sock");
+    // Switches wait for drains and QMP: allow them time.
+    match control::call(&sock, req, Duration::from_secs(120)) {
+        Ok(r) if r.ok => Ok(r.result.unwrap_or(Value::Null)),
+        Ok(r) => Err(Fail::Remote(
+            r.kind.unwrap_or(ErrorKind::Failed),
+            r.error.unwrap_or_else(|| "failed".into()),
+        )),
+        Err(e @ control::ClientError::Connect { .. }) => Err(Fail::Unreachable(chain(&e))),
+        Err(e) => Err(Fail::Remote(ErrorKind::Failed, chain(&e))),
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(": ");
+        s.push_str(&x.to_string());
+        src = x.source();
+    }
+    s
+}
+
+fn run(cli: &Cli) -> Result<(), Fail> {
+    match &cli.cmd {
+        Cmd::Status { json, watch } => loop {
+            let v = call(cli, &Request::Status)?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+            } else {
+                if *watch {
+                    print!("\x1b[2J\x1b[H");
+                }
+                print!("{}", status_table(&v));
+            }
+            if !*watch {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        },
+        Cmd::Explain { vm, drive, json } => {
+            let v = call(
+                cli,
+                &Request::Explain {
+                    vm: vm.clone(),
+                    drive: drive.clone(),
+                },
+            )?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+                return Ok(());
+            }
+            println!(
+                "{vm}/{drive}: engine now {}, policy says {}",
+                v["engine"].as_str().unwrap_or("?"),
+                v["decision"].as_str().unwrap_or("?")
+            );
+            let reasons = v["reasons"].as_array().cloned().unwrap_or_default();
+            if reasons.is_empty() {
+                println!(
+                    "  nothing needs QEMU's block layer: served directly from {}",
+                    v["serve"]["image"].as_str().unwrap_or("?")
+                );
+            }
+            for r in reasons {
+                println!(
+                    "  {:<24} {}",
+                    r["code"].as_str().unwrap_or(""),
+                    r["sentence"].as_str().unwrap_or("")
+                );
+            }
+            Ok(())
+        }
+        Cmd::Accelerate { vm, drive, pin } => print_drive(call(
+            cli,
+            &Request::Accelerate {
+                vm: vm.clone(),
+                drive: drive.clone(),
+                pin: *pin,
+            },
+        )?),
+        Cmd::Handback { vm, drive, pin } => print_drive(call(
+            cli,
+            &Request::Handback {
+                vm: vm.clone(),
+                drive: drive.clone(),
+                pin: *pin,
+            },
+        )?),
+        Cmd::Throttle(t) => {
+            let limits = ThrottleLimits {
+                iops_total: t.iops_total,
+                iops_read: t.iops_read,
+                iops_write: t.iops_write,
+                bps_total: t.bps_total,
+                bps_read: t.bps_read,
+                bps_write: t.bps_write,
+            };
+            if !t.clear && limits.is_empty() {
+                return Err(Fail::Usage(
+                    "give at least one limit (--iops-total, --bps-total, …) or --clear".into(),
+                ));
+            }
+            print_drive(call(
+                cli,
+                &Request::Throttle {
+                    vm: t.vm.clone(),
+                    drive: t.drive.clone(),
+                    limits: if t.clear { None } else { Some(limits) },
+                },
+            )?)
+        }
+        Cmd::Register {
+            vm,
+            qmp,
+            drives,
+            cont,
+        } => {
+            let specs = drives
+                .iter()
+                .map(|d| DriveSpec::parse(d).map_err(|e| Fail::Usage(format!("--drive {d}: {e}"))))
+                .collect::<Result<Vec<_>, _>>()?;
+            let qmp = std::path::absolute(qmp).unwrap_or_else(|_| qmp.clone());
+            let v = call(
+                cli,
+                &Request::Register {
+                    vm: vm.clone(),
+                    qmp,
+                    drives: specs,
+                    cont: *cont,
+                },
+            )?;
+            for s in v["sockets"].as_array().into_iter().flatten() {
+                println!("{}", s.as_str().unwrap_or(""));
+            }
+            Ok(())
+        }
+        Cmd::Unregister { vm } => {
+            call(cli, &Request::Unregister { vm: vm.clone() })?;
+            Ok(())
+        }
+        Cmd::Attach { vm } => {
+            call(cli, &Request::Attach { vm: vm.clone() })?;
+            Ok(())
+        }
+        Cmd::Detach { vm } => {
+            call(cli, &Request::Detach { vm: vm.clone() })?;
+            Ok(())
+        }
+        Cmd::QemuArgs { vm, memory, shell } => {
+            let v = call(
+                cli,
+                &Request::QemuArgs {
+                    vm: vm.clone(),
+                    memory: memory.clone(),
+                },
+            )?;
+            let args: Vec<String> = v
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|a| a.as_str().map(String::from))
+                .collect();
+            if *shell {
+                let q: Vec<String> = args.iter().map(|a| shell_quote(a)).collect();
+                println!("{}", q.join(" "));
+            } else {
+                for a in args {
+                    println!("{a}");
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+fn shell_quote(s: &str) -> String {
+    if s.chars()
+        .all(|c| c.is_ascii_alphanumeric() || "-_=,./:@".contains(c))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+fn print_drive(v: Value) -> Result<(), Fail> {
+    let reasons: Vec<&str> = v["reasons"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r.as_str())
+        .collect();
+    println!(
+        "{}/{}: {}{}",
+        v["vm"].as_str().unwrap_or("?"),
+        v["drive"].as_str().unwrap_or("?"),
+        v["engine"].as_str().unwrap_or("?"),
+        if reasons.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", reasons.join(", "))
+        }
+    );
+    Ok(())
+}
+
+fn ago(since: u64) -> String {
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let s = now.saturating_sub(since);
+    match s {
+        0..=119 => format!("{s}s"),
+        120..=7199 => format!("{}m", s / 60),
+        _ => format!("{}h", s / 3600),
+    }
+}
+
+fn status_table(v: &Value) -> String {
+    let mut rows = vec![[
+        "VM",
+        "DRIVE",
+        "ENGINE",
+        "SINCE",
+        "REASONS",
+        "SWITCHES",
+        "LAST PAUSE",
+        "IOPS",
+        "MB/s",
+        "P99",
+        "INFLIGHT",
+        "ERRORS",
+    ]
+    .map(String::from)
+    .to_vec()];
+    let mut notes = Vec::new();
+    for vm in v["vms"].as_array().into_iter().flatten() {
+        let name = vm["vm"].as_str().unwrap_or("?");
+        if !vm["attached"].as_bool().unwrap_or(false) {
+            let why = vm["attach_error"].as_str().unwrap_or("attaching");
+            notes.push(format!("{name}: not attached: {why}"));
+        }
+        for d in vm["drives"].as_array().into_iter().flatten() {
+            let reasons: Vec<&str> = d["reasons"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|r| r.as_str())
+                .collect();
+            let p99 = d["p99_us"]
+                .as_u64()
+                .map(|u| format!("<{u}us"))
+                .unwrap_or_else(|| "-".into());
+            rows.push(vec![
+                name.to_string(),
+                d["drive"].as_str().unwrap_or("?").to_string(),
+                d["engine"].as_str().unwrap_or("?").to_string(),
+                ago(d["since"].as_u64().unwrap_or(0)),
+                if reasons.is_empty() {
+                    "-".into()
+                } else {
+                    reasons.join(",")
+                },
+                d["switches"].to_string(),
+                format!(
+                    "{:.2}ms",
+                    d["last_pause_us"].as_u64().unwrap_or(0) as f64 / 1000.0
+                ),
+                format!("{:.0}", d["iops"].as_f64().unwrap_or(0.0)),
+                format!("{:.1}", d["mbps"].as_f64().unwrap_or(0.0)),
+                p99,
+                d["in_flight"].to_string(),
+                d["errors"].to_string(),
+            ]);
+            if let Some(e) = d["last_error"].as_str() {
+                notes.push(format!(
+                    "{name}/{}: {e}",
+                    d["drive"].as_str().unwrap_or("?")
+                ));
+            }
+        }
+    }
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for r in &rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+    }
+    for n in notes {
+        out.push_str(&format!("! {n}\n"));
+    }
+    out
+}

@@ -3,6 +3,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
+use acceld::run::{self, RunArgs};
 use acceld::serve::{self, ServeArgs};
 
 /// acceld: vhost-user-blk server for QEMU guests, io_uring on raw images.
@@ -17,6 +18,8 @@ struct Cli {
 enum Cmd {
     /// Serve one image on one vhost-user-blk socket (like qemu-storage-daemon's export).
     Serve(ServeArgs),
+    /// Run the supervisor: serve registered VMs' drives, attach over QMP, switch engines.
+    Run(RunArgs),
 }
 
 fn main() -> ExitCode {
@@ -27,14 +30,15 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let res = match &cli.cmd {
-        Cmd::Serve(a) => serve::run(a),
+    let res: Result<(), Box<dyn std::error::Error>> = match &cli.cmd {
+        Cmd::Serve(a) => serve::run(a).map_err(Into::into),
+        Cmd::Run(a) => run::run(a).map_err(Into::into),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let mut msg = format!("acceld: {e}");
-            let mut src = std::error::Error::source(&e);
+            let mut src = e.source();
             while let Some(s) = src {
                 msg.push_str(&format!(": {s}"));
                 src = s.source();

@@ -315,7 +315,9 @@ impl NbdEngine {
     pub fn close(&self) {
         for c in lock(&self.conns).drain(..).filter_map(|w| w.upgrade()) {
             c.closing.store(true, Ordering::Relaxed);
-            let _ = c.sock.shutdown(std::net::Shutdown::Both);
+            if let Some(s) = c.sock.get() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
         }
     }
 }
@@ -352,23 +354,12 @@ impl Engine for NbdEngine {
     }
 
     fn open_queue(&self, queue: usize, _depth: u32) -> Result<Box<dyn QueueIo>, EngineError> {
-        let nbd_err = |e: NbdError| EngineError::Nbd {
-            queue,
-            source: Box::new(e),
-        };
-        let (sock, info) = connect(&self.path, &self.export).map_err(nbd_err)?;
-        if info.size != self.info.size {
-            disconnect(&sock);
-            return Err(nbd_err(NbdError::SizeChanged {
-                export: self.export.clone(),
-                was: self.info.size,
-                now: info.size,
-            }));
-        }
+        // The connection is made by the queue's reader thread, not here: this may run inside
+        // a vhost-user message from QEMU's main thread, and QEMU's NBD server cannot accept
+        // while that thread waits for our reply.
         let done = EventFd::new(EFD_NONBLOCK).map_err(EngineError::EventFd)?;
-        let reader_sock = sock.try_clone().map_err(EngineError::EventFd)?;
         let conn = Arc::new(Conn {
-            sock,
+            sock: std::sync::OnceLock::new(),
             done,
             st: Mutex::new(ConnState::default()),
             closing: AtomicBool::new(false),
@@ -376,25 +367,67 @@ impl Engine for NbdEngine {
             queue,
         });
         let c2 = conn.clone();
+        let path = self.path.clone();
+        let export = self.export.clone();
+        let want = self.info;
         std::thread::Builder::new()
             .name(format!("nbd-q{queue}"))
-            .spawn(move || reader(c2, reader_sock, info))
+            .spawn(move || connect_and_read(c2, &path, &export, want))
             .map_err(EngineError::EventFd)?;
         {
             let mut conns = lock(&self.conns);
             conns.retain(|w| w.strong_count() > 0);
             conns.push(Arc::downgrade(&conn));
         }
-        self.stats.connections.fetch_add(1, Ordering::Relaxed);
         Ok(Box::new(NbdQueue {
             conn,
-            info,
+            info: self.info,
             out: Vec::new(),
             hdrs: Vec::new(),
             iov: Vec::new(),
             next_slot: 0,
         }))
     }
+}
+
+/// The reader thread: connects, then reads replies until the connection ends.
+fn connect_and_read(conn: Arc<Conn>, path: &Path, export: &str, want: ExportInfo) {
+    let (sock, info) = match connect(path, export) {
+        Ok(x) => x,
+        Err(e) => return conn.fail_all(&format!("cannot connect: {}", error_chain(&e))),
+    };
+    if info.size != want.size {
+        disconnect(&sock);
+        return conn.fail_all(&format!(
+            "export '{export}' changed size from {} to {} bytes",
+            want.size, info.size
+        ));
+    }
+    let reader_sock = match sock.try_clone() {
+        Ok(s) => s,
+        Err(e) => return conn.fail_all(&format!("cannot clone the socket: {e}")),
+    };
+    let _ = conn.sock.set(sock);
+    conn.stats.connections.fetch_add(1, Ordering::Relaxed);
+    if conn.closing.load(Ordering::Relaxed) {
+        if let Some(s) = conn.sock.get() {
+            disconnect(s);
+        }
+    }
+    // Wake the worker: requests pushed meanwhile wait to be sent.
+    conn.signal();
+    reader(conn, reader_sock, info);
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(": ");
+        s.push_str(&x.to_string());
+        src = x.source();
+    }
+    s
 }
 
 /// The guest's iovec array of one request (it lives in the worker's slot until completion).
@@ -429,7 +462,8 @@ struct ConnState {
 }
 
 struct Conn {
-    sock: UnixStream,
+    /// Set once the reader thread has connected.
+    sock: std::sync::OnceLock<UnixStream>,
     done: EventFd,
     st: Mutex<ConnState>,
     /// Set by a deliberate close: EOF is then not an error.
@@ -458,7 +492,9 @@ impl Conn {
             .collect();
         st.completions.extend(failed);
         drop(st);
-        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        if let Some(s) = self.sock.get() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
         self.signal();
     }
 }
@@ -664,6 +700,17 @@ impl QueueIo for NbdQueue {
         if self.out.is_empty() {
             return Ok(());
         }
+        if lock(&self.conn.st).dead {
+            // Everything registered was failed with EIO already.
+            self.out.clear();
+            self.hdrs.clear();
+            return Ok(());
+        }
+        let Some(sock) = self.conn.sock.get() else {
+            // Not connected yet: sent when the reader thread signals the connection.
+            return Ok(());
+        };
+        let fd = sock.as_raw_fd();
         self.iov.clear();
         for (h, payload) in &self.out {
             self.iov.push(libc::iovec {
@@ -676,7 +723,7 @@ impl QueueIo for NbdQueue {
                 unsafe { sub_iovecs(*v, *from, *len, &mut self.iov) };
             }
         }
-        let res = write_all_vectored(self.conn.sock.as_raw_fd(), &mut self.iov);
+        let res = write_all_vectored(fd, &mut self.iov);
         self.out.clear();
         self.hdrs.clear();
         if let Err(e) = res {
@@ -697,6 +744,10 @@ impl QueueIo for NbdQueue {
 
     fn reap(&mut self, out: &mut Vec<(u64, i32)>) {
         let _ = self.conn.done.read();
+        if !self.out.is_empty() {
+            // Requests pushed before the connection was up.
+            let _ = self.submit();
+        }
         out.append(&mut lock(&self.conn.st).completions);
     }
 }
@@ -704,7 +755,9 @@ impl QueueIo for NbdQueue {
 impl Drop for NbdQueue {
     fn drop(&mut self) {
         self.conn.closing.store(true, Ordering::Relaxed);
-        disconnect(&self.conn.sock);
+        if let Some(s) = self.conn.sock.get() {
+            disconnect(s);
+        }
     }
 }
 

@@ -256,6 +256,8 @@ struct Slot {
     iov: Vec<libc::iovec>,
     segs: Vec<Seg>,
     mem: Option<Arc<Mem>>,
+    /// When the request was popped (for the latency histogram).
+    started: Instant,
 }
 
 impl Slot {
@@ -272,6 +274,7 @@ impl Slot {
             iov: Vec::new(),
             segs: Vec::new(),
             mem: None,
+            started: Instant::now(),
         }
     }
 
@@ -596,6 +599,7 @@ impl Worker {
         self.drive.stats.in_flight.fetch_add(1, Ordering::Relaxed);
         let slot = &mut self.slots[idx];
         slot.head = head;
+        slot.started = Instant::now();
         slot.status = status.unwrap_or(u64::MAX);
         slot.used_len = 1;
         slot.done = 0;
@@ -945,6 +949,7 @@ impl Worker {
         }
         stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         let slot = &mut self.slots[idx];
+        stats.latency.record(slot.started.elapsed());
         // The request's own memory map holds the ring too: no lock per completion.
         let mem = slot.mem.take().expect("request in flight");
         if status != S_OK {

@@ -6,7 +6,9 @@
 set -euo pipefail
 OUT=${1:-$(cd "$(dirname "$0")/.." && pwd)/out}
 mkdir -p "$OUT"
-if [ -s "$OUT/vmlinuz" ] && [ -s "$OUT/initramfs.cpio.gz" ] && [ "$OUT/initramfs.cpio.gz" -nt "$0" ]; then
+here=$(cd "$(dirname "$0")" && pwd)
+if [ -s "$OUT/vmlinuz" ] && [ -s "$OUT/initramfs.cpio.gz" ] && [ "$OUT/initramfs.cpio.gz" -nt "$0" ] \
+   && [ "$OUT/initramfs.cpio.gz" -nt "$here/accel-writer.sh" ]; then
   exit 0
 fi
 for t in busybox apt-get dpkg-deb cpio xz; do
@@ -24,6 +26,7 @@ cp "$work/k/boot/vmlinuz-$kver" "$OUT/vmlinuz"
 root="$work/root"
 mkdir -p "$root"/{bin,sbin,dev,proc,sys,tmp,mnt,lib/modules}
 cp "$(command -v busybox)" "$root/bin/busybox"
+install -m 755 "$here/accel-writer.sh" "$root/bin/accel-writer"
 for m in virtio_pci_modern_dev virtio_pci_legacy_dev virtio_ring virtio virtio_pci virtio_blk; do
   f=$(find "$work/k/lib/modules/$kver" -name "$m.ko*" | head -1)
   [ -n "$f" ] || { echo "build.sh: module $m not found" >&2; exit 1; }

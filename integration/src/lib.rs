@@ -11,6 +11,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 pub mod capture;
 pub mod compare;
+pub mod supervised;
 
 /// The integration crate's folder.
 pub fn crate_dir() -> PathBuf {
@@ -144,6 +145,7 @@ pub struct GuestSpec<'a> {
 /// A booted guest; its serial output arrives line by line.
 pub struct Guest {
     child: Child,
+    stdin: Option<std::process::ChildStdin>,
     lines: mpsc::Receiver<String>,
     pub output: Vec<String>,
 }
@@ -202,12 +204,44 @@ impl Guest {
                 d.queues
             ));
         }
+        Self::spawn(cmd)
+    }
+
+    /// Boots the tiny guest with the arguments of accel's VM contract (`accelctl qemu-args`:
+    /// memory backend, QMP, block graph, vhost-user devices, -S) plus `extra`.
+    pub fn boot_contract(contract: &[String], extra: &[String], script: &str) -> Result<Self> {
+        if b64(script.as_bytes()).len() > 1800 {
+            bail!(
+                "guest script too long for the kernel command line (2048 bytes); put it in guest/"
+            );
+        }
+        let (kernel, initrd) = ensure_guest()?;
+        let mut cmd = Command::new("qemu-system-x86_64");
+        cmd.args(["-machine", "q35,accel=tcg"])
+            .args(contract)
+            .args(extra)
+            .args(["-smp", "2", "-nodefaults", "-no-user-config"])
+            .args(["-display", "none", "-no-reboot", "-serial", "stdio"])
+            .arg("-kernel")
+            .arg(kernel)
+            .arg("-initrd")
+            .arg(initrd)
+            .arg("-append")
+            .arg(format!(
+                "console=ttyS0 panic=-1 quiet testcmd={}",
+                b64(script.as_bytes())
+            ));
+        Self::spawn(cmd)
+    }
+
+    fn spawn(mut cmd: Command) -> Result<Self> {
         let mut child = cmd
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .context("spawning qemu-system-x86_64 (apt-get install qemu-system-x86)")?;
+        let stdin = child.stdin.take();
         let (tx, rx) = mpsc::channel();
         let out = child.stdout.take().expect("piped");
         let tx2 = tx.clone();
@@ -226,6 +260,7 @@ impl Guest {
         });
         Ok(Guest {
             child,
+            stdin,
             lines: rx,
             output: Vec::new(),
         })
@@ -249,6 +284,18 @@ impl Guest {
                 ),
             }
         }
+    }
+
+    /// Types a line on the guest's serial console (scripts may `read` it from /dev/ttyS0).
+    pub fn send_line(&mut self, line: &str) -> Result<()> {
+        use std::io::Write;
+        let s = self
+            .stdin
+            .as_mut()
+            .ok_or_else(|| anyhow!("guest stdin closed"))?;
+        s.write_all(format!("{line}\n").as_bytes())?;
+        s.flush()?;
+        Ok(())
     }
 
     /// Waits for the guest to power off; returns all its output.

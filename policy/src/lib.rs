@@ -13,7 +13,7 @@ use serde::Serialize;
 pub mod qemu;
 
 /// One block node as the policy needs it (built from `query-named-block-nodes`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct NodeView {
     pub name: String,
     pub driver: String,
@@ -56,7 +56,7 @@ pub struct VmState {
 }
 
 /// An operator's pin of a drive.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub enum Pin {
     /// Always QEMU's block layer.
     Qemu,

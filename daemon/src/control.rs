@@ -1,0 +1,375 @@
+//! The control API of `acceld run`: one JSON object per line over the unix socket
+//! `RUNDIR/acceld.sock` (mode 0600). `accelctl` is its client; scripts may speak it directly.
+//!
+//! Request: `{"op":"status"}`, `{"op":"register","vm":"demo","qmp":"/run/…","drives":[…]}`, …
+//! Reply: `{"ok":true,"result":…}` or `{"ok":false,"kind":"not-found","error":"…"}`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use thiserror::Error;
+
+/// One drive of a VM, as registered.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriveSpec {
+    /// The drive id: QEMU's node-name and device id, and the socket's name.
+    pub id: String,
+    pub image: PathBuf,
+    /// Image format: raw, qcow2, … (anything but raw is served by QEMU's block layer).
+    #[serde(default = "default_format")]
+    pub format: String,
+    #[serde(default)]
+    pub read_only: bool,
+    /// GET_ID answer; default: the drive id.
+    #[serde(default)]
+    pub serial: Option<String>,
+    #[serde(default = "default_queues")]
+    pub queues: u16,
+    /// What DISCARD does: "unmap" or "ignore".
+    #[serde(default = "default_discard")]
+    pub discard: String,
+    /// O_DIRECT (QEMU: cache.direct=on).
+    #[serde(default = "default_true")]
+    pub direct: bool,
+    /// Logical block size shown to the guest.
+    #[serde(default = "default_lbs")]
+    pub logical_block_size: u32,
+}
+
+fn default_format() -> String {
+    "raw".into()
+}
+fn default_queues() -> u16 {
+    1
+}
+fn default_discard() -> String {
+    "unmap".into()
+}
+fn default_true() -> bool {
+    true
+}
+fn default_lbs() -> u32 {
+    512
+}
+
+fn on_off(key: &str, v: &str) -> Result<bool, String> {
+    match v {
+        "on" | "true" | "yes" => Ok(true),
+        "off" | "false" | "no" => Ok(false),
+        _ => Err(format!("{key}={v}: expected on or off")),
+    }
+}
+
+/// Drive ids become QEMU node names and file names: letters, digits, '-', '_', starting
+/// with a letter, at most 31 bytes (QEMU's id rules, minus '.').
+pub fn check_id(kind: &str, id: &str) -> Result<(), String> {
+    let ok = !id.is_empty()
+        && id.len() <= 31
+        && id.starts_with(|c: char| c.is_ascii_alphabetic())
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{kind} '{id}' is not a valid name: use 1-31 letters, digits, '-' or '_', starting \
+             with a letter"
+        ))
+    }
+}
+
+impl DriveSpec {
+    /// Parses `id=D,image=PATH[,format=raw][,read-only=on][,serial=S][,queues=N]
+    /// [,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096]`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let mut id = None;
+        let mut image = None;
+        let mut d = DriveSpec {
+            id: String::new(),
+            image: PathBuf::new(),
+            format: default_format(),
+            read_only: false,
+            serial: None,
+            queues: 1,
+            discard: default_discard(),
+            direct: true,
+            logical_block_size: 512,
+        };
+        for kv in s.split(',') {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("'{kv}' is not key=value"))?;
+            match k {
+                "id" => id = Some(v.to_string()),
+                "image" => image = Some(PathBuf::from(v)),
+                "format" => d.format = v.to_string(),
+                "read-only" => d.read_only = on_off(k, v)?,
+                "serial" => d.serial = Some(v.to_string()),
+                "queues" => {
+                    d.queues = v
+                        .parse()
+                        .ok()
+                        .filter(|q| (1..=64).contains(q))
+                        .ok_or_else(|| format!("queues={v}: expected 1 to 64"))?
+                }
+                "discard" => {
+                    if v != "unmap" && v != "ignore" {
+                        return Err(format!("discard={v}: expected unmap or ignore"));
+                    }
+                    d.discard = v.to_string()
+                }
+                "direct" => d.direct = on_off(k, v)?,
+                "logical-block-size" => {
+                    d.logical_block_size = match v {
+                        "512" => 512,
+                        "4096" => 4096,
+                        _ => return Err(format!("logical-block-size={v}: expected 512 or 4096")),
+                    }
+                }
+                _ => return Err(format!("unknown drive option '{k}'")),
+            }
+        }
+        d.id = id.ok_or("missing id=")?;
+        d.image = image.ok_or("missing image=")?;
+        d.validate()?;
+        Ok(d)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        check_id("drive id", &self.id)?;
+        if !self.image.is_absolute() {
+            return Err(format!(
+                "image {} is not an absolute path",
+                self.image.display()
+            ));
+        }
+        if let Some(s) = &self.serial {
+            if s.len() > 20 {
+                return Err(format!("serial '{s}' is longer than 20 bytes"));
+            }
+        }
+        if !self
+            .format
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-')
+            || self.format.is_empty()
+        {
+            return Err(format!(
+                "format '{}' is not a QEMU driver name",
+                self.format
+            ));
+        }
+        if self.queues == 0 || self.queues > 64 {
+            return Err(format!("queues={}: expected 1 to 64", self.queues));
+        }
+        Ok(())
+    }
+}
+
+/// I/O limits for `throttle` (QEMU's throttle-group `limits`; absent = unlimited).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ThrottleLimits {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iops_total: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iops_read: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iops_write: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bps_total: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bps_read: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bps_write: Option<u64>,
+}
+
+impl ThrottleLimits {
+    pub fn is_empty(&self) -> bool {
+        *self == ThrottleLimits::default()
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+pub enum Request {
+    /// Serve the drives' sockets now and attach to the VM's QMP when it appears.
+    Register {
+        vm: String,
+        qmp: PathBuf,
+        drives: Vec<DriveSpec>,
+        /// `cont` the VM once every drive has an engine, if it waits in prelaunch (-S).
+        #[serde(default)]
+        cont: bool,
+    },
+    Unregister {
+        vm: String,
+    },
+    Attach {
+        vm: String,
+    },
+    Detach {
+        vm: String,
+    },
+    Status,
+    Explain {
+        vm: String,
+        drive: String,
+    },
+    /// Clear a qemu pin (`pin`: also pin to direct) and accelerate if the rules allow.
+    Accelerate {
+        vm: String,
+        drive: String,
+        #[serde(default)]
+        pin: bool,
+    },
+    /// Move to QEMU's block layer (`pin`: keep it there until accelerate).
+    Handback {
+        vm: String,
+        drive: String,
+        #[serde(default)]
+        pin: bool,
+    },
+    /// Set (limits) or clear (none) a throttle on the drive.
+    Throttle {
+        vm: String,
+        drive: String,
+        limits: Option<ThrottleLimits>,
+    },
+    QemuArgs {
+        vm: String,
+        #[serde(default = "default_memory")]
+        memory: String,
+    },
+}
+
+fn default_memory() -> String {
+    "512M".into()
+}
+
+/// Why a request failed, for scripts (accelctl maps these to exit codes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ErrorKind {
+    /// The request is malformed or names something impossible.
+    Invalid,
+    /// No such VM or drive.
+    NotFound,
+    /// Something of the same name exists already.
+    Exists,
+    /// The operation was tried and failed (QMP, switch, I/O); nothing was left half done.
+    Failed,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Reply {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<ErrorKind>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Reply {
+    pub fn ok(result: Value) -> Self {
+        Reply {
+            ok: true,
+            result: Some(result),
+            kind: None,
+            error: None,
+        }
+    }
+    pub fn err(kind: ErrorKind, error: String) -> Self {
+        Reply {
+            ok: false,
+            result: None,
+            kind: Some(kind),
+            error: Some(error),
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum ClientError {
+    #[error("cannot reach acceld at {path} (is `acceld run` running?)")]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("talking to acceld")]
+    Io(#[from] std::io::Error),
+    #[error("acceld sent a reply that is not JSON: {0}")]
+    Decode(String),
+}
+
+/// Sends one request and waits for its reply (blocking; for accelctl and tests).
+pub fn call(socket: &Path, req: &Request, timeout: Duration) -> Result<Reply, ClientError> {
+    let s = UnixStream::connect(socket).map_err(|source| ClientError::Connect {
+        path: socket.to_path_buf(),
+        source,
+    })?;
+    s.set_read_timeout(Some(timeout))?;
+    let mut line = serde_json::to_string(req).expect("requests serialize");
+    line.push('\n');
+    (&s).write_all(line.as_bytes())?;
+    let mut r = BufReader::new(&s);
+    let mut reply = String::new();
+    r.read_line(&mut reply)?;
+    serde_json::from_str(&reply).map_err(|e| ClientError::Decode(format!("{e}: {reply}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drive_spec_parses_and_rejects() {
+        let d = DriveSpec::parse("id=d0,image=/x/d.raw,queues=2,read-only=on,serial=S1").unwrap();
+        assert_eq!(d.id, "d0");
+        assert_eq!(d.queues, 2);
+        assert!(d.read_only);
+        assert_eq!(d.serial.as_deref(), Some("S1"));
+        assert_eq!(d.format, "raw");
+        for (bad, why) in [
+            ("image=/x", "missing id"),
+            ("id=d0", "missing image"),
+            ("id=d0,image=rel.raw", "absolute"),
+            ("id=0d,image=/x", "not a valid name"),
+            ("id=d.0,image=/x", "not a valid name"),
+            ("id=d0,image=/x,queues=0", "1 to 64"),
+            ("id=d0,image=/x,read-only=maybe", "on or off"),
+            ("id=d0,image=/x,colour=red", "unknown drive option"),
+            (
+                "id=d0,image=/x,serial=123456789012345678901",
+                "longer than 20",
+            ),
+            ("id=d0,image=/x,format=qcow2;rm", "not a QEMU driver"),
+            ("id=d0,image", "not key=value"),
+        ] {
+            let e = DriveSpec::parse(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        let r: Request = serde_json::from_str(
+            r#"{"op":"throttle","vm":"v","drive":"d","limits":{"iops-total":100}}"#,
+        )
+        .unwrap();
+        match r {
+            Request::Throttle {
+                limits: Some(l), ..
+            } => assert_eq!(l.iops_total, Some(100)),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! `acceld run`: the daemon. Loads the config, restores the registry from the state file,
+//! serves the control socket (`control.rs`), optional Prometheus metrics, and stops cleanly on
+//! SIGTERM (every drive drained; QEMU left as it is for the next start).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use serde_json::json;
+use thiserror::Error;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tracing::{info, warn};
+
+use crate::control::{ErrorKind, Reply, Request};
+use crate::supervisor::{Config, SupError, Supervisor};
+
+/// Run the supervisor daemon.
+#[derive(Args, Clone, Debug)]
+pub struct RunArgs {
+    /// TOML config file (every key optional; see docs/operator-guide.md).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Run directory (overrides the config's run-dir).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Error)]
+pub enum RunError {
+    #[error("cannot read config {path}")]
+    ReadConfig {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config {path} is invalid: {msg}")]
+    BadConfig { path: PathBuf, msg: String },
+    #[error("cannot start the async runtime")]
+    Runtime(#[source] std::io::Error),
+    #[error("cannot listen on the control socket {path}")]
+    Listen {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("another acceld serves {0}")]
+    AlreadyRunning(PathBuf),
+    #[error("cannot listen for metrics on {addr}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Supervisor(#[from] SupError),
+}
+
+pub fn load_config(args: &RunArgs) -> Result<Config, RunError> {
+    let mut cfg = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|source| RunError::ReadConfig {
+                path: path.clone(),
+                source,
+            })?;
+            toml::from_str::<Config>(&text).map_err(|e| RunError::BadConfig {
+                path: path.clone(),
+                msg: e.to_string(),
+            })?
+        }
+        None => Config::default(),
+    };
+    if let Some(d) = &args.run_dir {
+        cfg.run_dir = d.clone();
+    }
+    if !cfg.run_dir.is_absolute() {
+        cfg.run_dir = std::env::current_dir()
+            .map(|c| c.join(&cfg.run_dir))
+            .unwrap_or_else(|_| cfg.run_dir.clone());
+    }
+    Ok(cfg)
+}
+
+pub fn run(args: &RunArgs) -> Result<(), RunError> {
+    let cfg = load_config(args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("acceld-sup")
+        .build()
+        .map_err(RunError::Runtime)?;
+    rt.block_on(run_async(cfg))
+}
+
+async fn run_async(cfg: Config) -> Result<(), RunError> {
+    std::fs::create_dir_all(&cfg.run_dir).map_err(|source| RunError::Listen {
+        path: cfg.run_dir.clone(),
+        source,
+    })?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&cfg.run_dir, std::fs::Permissions::from_mode(0o700));
+    }
+    let ctl_path = cfg.control_socket();
+    if std::os::unix::net::UnixStream::connect(&ctl_path).is_ok() {
+        return Err(RunError::AlreadyRunning(ctl_path));
+    }
+    let _ = std::fs::remove_file(&ctl_path);
+    let listener = UnixListener::bind(&ctl_path).map_err(|source| RunError::Listen {
+        path: ctl_path.clone(),
+        source,
+    })?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&ctl_path, std::fs::Permissions::from_mode(0o600));
+    }
+    let metrics_addr = cfg.metrics_addr;
+    let sup = Supervisor::new(cfg);
+    let restored = sup.restore()?;
+    info!(control = %ctl_path.display(), restored, "acceld running");
+
+    if let Some(addr) = metrics_addr {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| RunError::Metrics { addr, source })?;
+        let s = sup.clone();
+        tokio::spawn(async move { serve_metrics(l, s).await });
+        info!(%addr, "metrics on /metrics");
+    }
+    let s = sup.clone();
+    tokio::spawn(async move {
+        let mut t = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            t.tick().await;
+            s.sample_rates();
+        }
+    });
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(RunError::Runtime)?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(RunError::Runtime)?;
+    loop {
+        tokio::select! {
+            c = listener.accept() => match c {
+                Ok((stream, _)) => {
+                    let s = sup.clone();
+                    tokio::spawn(async move { handle_client(stream, s).await });
+                }
+                Err(e) => warn!("control socket accept: {e}"),
+            },
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+        }
+    }
+    info!("shutting down: draining every drive");
+    let s = sup.clone();
+    let _ = tokio::task::spawn_blocking(move || s.shutdown()).await;
+    let _ = std::fs::remove_file(&ctl_path);
+    info!("stopped");
+    Ok(())
+}
+
+async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>) {
+    let (r, mut w) = stream.into_split();
+    let mut lines = BufReader::new(r).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let reply = match serde_json::from_str::<Request>(&line) {
+            Ok(req) => dispatch(&sup, req).await,
+            Err(e) => Reply::err(ErrorKind::Invalid, format!("bad request: {e}")),
+        };
+        let mut out = serde_json::to_string(&reply).expect("replies serialize");
+        out.push('\n');
+        if w.write_all(out.as_bytes()).await.is_err() {
+            return;
+        }
+    }
+}
+
+pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
+    use policy::Pin;
+    let res = match req {
+        Request::Register {
+            vm,
+            qmp,
+            drives,
+            cont,
+        } => {
+            let s = sup.clone();
+            tokio::task::block_in_place(move || s.register(vm, qmp, drives, cont))
+        }
+        Request::Unregister { vm } => sup.unregister(&vm).await,
+        Request::Attach { vm } => sup.attach(&vm),
+        Request::Detach { vm } => sup.detach(&vm),
+        Request::Status => Ok(sup.status()),
+        Request::Explain { vm, drive } => sup.explain(&vm, &drive).await,
+        Request::Accelerate { vm, drive, pin } => {
+            let p = if pin { Some(Pin::Direct) } else { None };
+            sup.set_pin(&vm, &drive, p, pin).await
+        }
+        Request::Handback { vm, drive, pin } => {
+            sup.set_pin(&vm, &drive, Some(Pin::Qemu), pin).await
+        }
+        Request::Throttle { vm, drive, limits } => sup.set_throttle(&vm, &drive, limits).await,
+        Request::QemuArgs { vm, memory } => sup.qemu_args(&vm, &memory),
+    };
+    match res {
+        Ok(v) => Reply::ok(v),
+        Err(e) => Reply::err(e.kind(), e.chain()),
+    }
+}
+
+async fn serve_metrics(l: tokio::net::TcpListener, sup: Arc<Supervisor>) {
+    loop {
+        let Ok((mut s, _)) = l.accept().await else {
+            continue;
+        };
+        let sup = sup.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1024];
+            let n = tokio::io::AsyncReadExt::read(&mut s, &mut buf)
+                .await
+                .unwrap_or(0);
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let (status, body) = if req.starts_with("GET /metrics") {
+                ("200 OK", sup.metrics())
+            } else {
+                (
+                    "404 Not Found",
+                    json!({"error": "try /metrics"}).to_string(),
+                )
+            };
+            let resp = format!(
+                "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(resp.as_bytes()).await;
+        });
+    }
+}
