@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./integration/setup.sh
-cargo build --release -p acceld -p accel-integration
-ACCELD_BIN="$PWD/target/release/acceld" ./target/release/accel-integration demo "$@"
+cargo build --release -p acceld -p accelctl -p accel-integration
+ACCELD_BIN="$PWD/target/release/acceld" ACCELCTL_BIN="$PWD/target/release/accelctl" \
+  ./target/release/accel-integration demo "$@"

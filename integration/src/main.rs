@@ -4,9 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use accel_integration::{
-    guest_value, host_md5, report_and_verify_script, Acceld, Guest, GuestDisk, GuestSpec,
-};
+use accel_integration::supervised::{boot_registered, writer_script, AcceldRun, SideQmp};
+use accel_integration::{guest_value, host_md5};
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
@@ -19,14 +18,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Boot a tiny guest (TCG) whose disk acceld serves; the guest writes and verifies data.
+    /// The product's story: acceld run, a registered VM (TCG) writing and verifying, the disk
+    /// direct, throttled on QEMU's block layer, and direct again.
     Demo {
         /// Where to put the image, sockets and logs (default: a new temp dir).
         #[arg(long)]
         dir: Option<PathBuf>,
-        /// MiB the guest writes and verifies.
+        /// Writers in the guest (each owns 256 KiB of the disk).
         #[arg(long, default_value_t = 16)]
-        mib: u32,
+        writers: u32,
     },
     /// Capture QEMU 10's QMP outputs (block nodes, graph, status…) of a lab VM into DIR.
     Capture {
@@ -40,7 +40,7 @@ enum Cmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
-        Cmd::Demo { dir, mib } => demo(dir, mib),
+        Cmd::Demo { dir, writers } => demo(dir, writers),
         Cmd::Capture { out } => accel_integration::capture::capture(&out),
         Cmd::Compare(o) => accel_integration::compare::compare(&o),
     };
@@ -53,7 +53,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn demo(dir: Option<PathBuf>, mib: u32) -> Result<()> {
+fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     let tmp;
     let dir = match dir {
         Some(d) => {
@@ -67,73 +67,122 @@ fn demo(dir: Option<PathBuf>, mib: u32) -> Result<()> {
             tmp.path().to_path_buf()
         }
     };
-    let image = dir.join("disk.raw");
+    let image = dir.join("disk0.raw");
     let size: u64 = 256 << 20;
     std::fs::File::create(&image)?.set_len(size)?;
-    println!("[1/4] raw image {} ({} MiB)", image.display(), size >> 20);
-    let sock = dir.join("vdisk0.sock");
-    let log = dir.join("acceld.log");
-    let mut d = Acceld::serve(
-        &sock,
-        &[
-            "--image",
-            image.to_str().context("path")?,
-            "--queues",
-            "2",
-            "--serial",
-            "accel-demo-disk",
-        ],
-        &log,
-    )?;
+    let run = dir.join("run");
     println!(
-        "[2/4] acceld serves it on {} (2 queues, io_uring, O_DIRECT)",
-        sock.display()
+        "[1/7] raw image {} ({} MiB); acceld run --run-dir {}",
+        image.display(),
+        size >> 20,
+        run.display()
     );
-    println!("      QEMU: -chardev socket,id=vub0,path={},reconnect-ms=1000 -device vhost-user-blk-pci,chardev=vub0,num-queues=2", sock.display());
-    let t0 = Instant::now();
-    let mut g = Guest::boot(&GuestSpec {
-        disks: &[GuestDisk {
-            socket: sock.clone(),
-            queues: 2,
-        }],
-        script: &report_and_verify_script(mib),
-        mem_mb: 256,
-        timeout: Duration::from_secs(300),
-    })?;
-    let out = g.wait_exit(Duration::from_secs(300))?;
+    let mut acc = AcceldRun::start(&run, "quiet-period-ms = 1000\npoll-interval-ms = 250\n")?;
+    let qmp = dir.join("qmp.sock");
+    let side = dir.join("side-qmp.sock");
+    let drive = format!(
+        "id=disk0,image={},queues=2,serial=accel-demo-disk",
+        image.display()
+    );
+    acc.ctl_ok(&[
+        "register",
+        "--vm",
+        "demo",
+        "--qmp",
+        qmp.to_str().context("path")?,
+        "--drive",
+        &drive,
+        "--cont",
+    ])?;
     println!(
-        "[3/4] guest (QEMU 10, TCG) ran in {:.1} s and saw:",
+        "[2/7] accelctl register --vm demo --qmp {} --drive {drive} --cont",
+        qmp.display()
+    );
+    println!("      accelctl qemu-args --vm demo (the VM contract QEMU runs with):");
+    for a in acc
+        .ctl_ok(&["qemu-args", "--vm", "demo", "--memory", "256M", "--shell"])?
+        .split(" -")
+    {
+        println!("        -{}", a.trim_start_matches('-').trim());
+    }
+    let t0 = Instant::now();
+    let mut g = boot_registered(
+        &acc,
+        "demo",
+        "256M",
+        &side,
+        &writer_script("/dev/vda", writers, 64),
+    )?;
+    g.wait_for("READY", Duration::from_secs(180))?;
+    println!(
+        "[3/7] guest (QEMU 10, TCG) up in {:.1} s: {writers} writers write random 4 KiB blocks and verify them",
         t0.elapsed().as_secs_f64()
     );
-    for k in [
-        "size",
-        "serial",
-        "queues",
-        "logical_block",
-        "discard_max",
-        "verify",
-    ] {
-        println!("      {k:>14} = {}", guest_value(&out, k)?);
-    }
-    let guest_md5 = guest_value(&out, "md5")?;
-    let host = host_md5(&image, u64::from(mib) << 20)?;
+    std::thread::sleep(Duration::from_secs(2));
+    print!("{}", indent(&acc.ctl_ok(&["status"])?));
+    let t = SideQmp::connect(&side)?;
+
+    let t1 = Instant::now();
+    acc.ctl_ok(&["throttle", "demo", "disk0", "--iops-total", "60"])?;
+    acc.wait_engine("demo", "disk0", "qemu", Duration::from_secs(10))?;
     println!(
-        "[4/4] host reads the image: md5 of the first {mib} MiB {host} ({} the guest's)",
-        if host == guest_md5 {
+        "[4/7] accelctl throttle demo disk0 --iops-total 60: on QEMU's block layer in {} ms",
+        t1.elapsed().as_millis()
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    print!("{}", indent(&acc.ctl_ok(&["status"])?));
+    print!("{}", indent(&acc.ctl_ok(&["explain", "demo", "disk0"])?));
+    let filters = t.throttle_filters()?;
+    let limits = t.cmd(
+        "qom-get",
+        serde_json::json!({"path": "accel-tg-disk0", "property": "limits"}),
+    )?;
+    println!(
+        "      QEMU's graph: throttle filter {:?}, group accel-tg-disk0 iops-total = {}",
+        filters, limits["iops-total"]
+    );
+
+    let t2 = Instant::now();
+    acc.ctl_ok(&["throttle", "demo", "disk0", "--clear"])?;
+    acc.wait_engine("demo", "disk0", "direct", Duration::from_secs(20))?;
+    println!(
+        "[5/7] accelctl throttle demo disk0 --clear: direct again after the quiet period, in {} ms",
+        t2.elapsed().as_millis()
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    print!("{}", indent(&acc.ctl_ok(&["status"])?));
+    let filters = t.throttle_filters()?;
+    println!("      QEMU's graph: throttle filters {filters:?}; drive node removed while direct");
+
+    g.send_line("STOP")?;
+    let out = g.wait_exit(Duration::from_secs(300))?;
+    let iters = guest_value(&out, "iterations")?;
+    let errors = guest_value(&out, "errors")?;
+    let kerr = guest_value(&out, "kernel_errors")?;
+    let md5 = guest_value(&out, "md5")?;
+    println!("[6/7] guest verdict: {iters} write+read-back iterations, errors={errors}, kernel I/O errors={kerr}");
+    let host = host_md5(&image, u64::from(writers) * 64 * 4096)?;
+    println!(
+        "      host md5 of the written region {host} ({} the guest's)",
+        if host == md5 {
             "equal to"
         } else {
             "DIFFERENT from"
         }
     );
-    let st = d.terminate()?;
-    let ok = guest_value(&out, "verify")? == "ok" && host == guest_md5 && st.success();
-    println!("acceld stopped with SIGTERM after draining: {st}");
-    if !ok {
+    let st = acc.terminate()?;
+    println!("[7/7] the VM exited; acceld stopped with SIGTERM: {st}");
+    let pass = out.iter().any(|l| l.contains("RESULT: PASS")) && host == md5 && st.success();
+    if !pass {
         bail!(
             "the guest or the host saw wrong data; acceld log: {}",
-            log.display()
+            acc.log.display()
         );
     }
-    println!("RESULT: PASS — the guest's disk was served by acceld, its data verified in the guest and on the host");
+    println!("RESULT: PASS — one guest disk, served directly, handed to QEMU's throttle and taken back, under a guest that verified every block");
     Ok(())
+}
+
+fn indent(s: &str) -> String {
+    s.lines().map(|l| format!("      {l}\n")).collect()
 }

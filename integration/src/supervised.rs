@@ -207,3 +207,62 @@ impl Drop for AcceldRun {
 pub fn writer_script(dev: &str, workers: u32, blocks: u32) -> String {
     format!("accel-writer {dev} {workers} {blocks}\n")
 }
+
+/// A second QMP monitor on the VM, for tests and the demo to look at QEMU (acceld holds the
+/// VM's own monitor). Add `-qmp unix:PATH,server=on,wait=off` to the guest.
+pub struct SideQmp {
+    rt: tokio::runtime::Runtime,
+    qmp: qmp_client::Qmp,
+}
+
+impl SideQmp {
+    pub fn connect(path: &Path) -> Result<Self> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let qmp = rt.block_on(qmp_client::connect_with_retry(
+            path,
+            200,
+            Duration::from_millis(50),
+        ))?;
+        Ok(SideQmp { rt, qmp })
+    }
+
+    pub fn cmd(&self, name: &str, args: Value) -> Result<Value, qmp_client::QmpError> {
+        let a = if args.is_null() { None } else { Some(args) };
+        self.rt.block_on(self.qmp.execute_raw(name, a))
+    }
+
+    /// The throttle filter nodes QEMU has: (node name, group).
+    pub fn throttle_filters(&self) -> Result<Vec<String>> {
+        let nodes = self.cmd("query-named-block-nodes", serde_json::json!({"flat": true}))?;
+        Ok(nodes
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|n| n["drv"] == "throttle")
+            .filter_map(|n| n["node-name"].as_str().map(String::from))
+            .collect())
+    }
+}
+
+/// Boots the tiny guest with the VM contract of `vm` (from `accelctl qemu-args`) plus a side
+/// QMP monitor at `side_qmp`.
+pub fn boot_registered(
+    acc: &AcceldRun,
+    vm: &str,
+    memory: &str,
+    side_qmp: &Path,
+    script: &str,
+) -> Result<crate::Guest> {
+    let contract: Vec<String> = acc
+        .ctl_ok(&["qemu-args", "--vm", vm, "--memory", memory])?
+        .lines()
+        .map(String::from)
+        .collect();
+    let extra = vec![
+        "-qmp".to_string(),
+        format!("unix:{},server=on,wait=off", side_qmp.display()),
+    ];
+    crate::Guest::boot_contract(&contract, &extra, script)
+}

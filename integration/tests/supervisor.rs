@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use accel_integration::supervised::{writer_script, AcceldRun};
+use accel_integration::supervised::{boot_registered, writer_script, AcceldRun, SideQmp};
 use accel_integration::{guest_value, host_md5, Guest};
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
@@ -18,44 +18,8 @@ fn workdir(tag: &str) -> tempfile::TempDir {
         .unwrap()
 }
 
-/// A second QMP monitor for the test itself (acceld holds the VM's own).
-struct TestQmp {
-    rt: tokio::runtime::Runtime,
-    qmp: qmp_client::Qmp,
-}
-
-impl TestQmp {
-    fn connect(path: &Path) -> Result<Self> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        let qmp = rt.block_on(qmp_client::connect_with_retry(
-            path,
-            200,
-            Duration::from_millis(50),
-        ))?;
-        Ok(TestQmp { rt, qmp })
-    }
-    fn cmd(&self, name: &str, args: Value) -> Result<Value, qmp_client::QmpError> {
-        let a = if args.is_null() { None } else { Some(args) };
-        self.rt.block_on(self.qmp.execute_raw(name, a))
-    }
-}
-
-fn contract(acc: &AcceldRun, vm: &str) -> Result<Vec<String>> {
-    Ok(acc
-        .ctl_ok(&["qemu-args", "--vm", vm, "--memory", "256M"])?
-        .lines()
-        .map(String::from)
-        .collect())
-}
-
 fn boot(acc: &AcceldRun, vm: &str, test_qmp: &Path, script: &str) -> Result<Guest> {
-    let extra = vec![
-        "-qmp".to_string(),
-        format!("unix:{},server=on,wait=off", test_qmp.display()),
-    ];
-    Guest::boot_contract(&contract(acc, vm)?, &extra, script)
+    boot_registered(acc, vm, "256M", test_qmp, script)
 }
 
 fn register(acc: &AcceldRun, vm: &str, qmp: &Path, drive: &str) -> Result<()> {
@@ -112,7 +76,7 @@ fn raw_drive_story_under_guest_writes() -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
     let d = acc.drive("vm1", "d0")?;
     assert_eq!(d["engine"], "direct", "{d}");
-    let t = TestQmp::connect(&tq)?;
+    let t = SideQmp::connect(&tq)?;
 
     // While direct, QEMU has no node for the drive: a snapshot or mirror fails cleanly.
     let snap = t.cmd(
