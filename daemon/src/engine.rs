@@ -202,6 +202,25 @@ impl FileEngine {
         })
     }
 
+    /// Like [`FileEngine::open`], but waits up to `wait` while another holder's image locks
+    /// are still there. A process's OFD locks go with its last file reference, which the
+    /// kernel may drop a moment after the process exited (io_uring rings are torn down
+    /// asynchronously), so a restarted acceld can briefly see its predecessor's locks.
+    pub fn open_waiting(
+        cfg: FileEngineConfig,
+        wait: std::time::Duration,
+    ) -> Result<Self, EngineError> {
+        let t0 = std::time::Instant::now();
+        loop {
+            match Self::open(cfg.clone()) {
+                Err(EngineError::Locked { .. }) if t0.elapsed() < wait => {
+                    std::thread::sleep(std::time::Duration::from_millis(20))
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// Image size in bytes.
     pub fn size(&self) -> u64 {
         self.size

@@ -111,13 +111,16 @@ impl ServeArgs {
                 .map(|n| n.to_string_lossy().chars().take(20).collect())
                 .unwrap_or_default(),
         };
-        let engine = FileEngine::open(FileEngineConfig {
-            path: self.image.clone(),
-            read_only: self.read_only,
-            direct: self.direct == OnOff::On,
-            logical_block_size: self.logical_block_size,
-            lock: true,
-        })?;
+        let engine = FileEngine::open_waiting(
+            FileEngineConfig {
+                path: self.image.clone(),
+                read_only: self.read_only,
+                direct: self.direct == OnOff::On,
+                logical_block_size: self.logical_block_size,
+                lock: true,
+            },
+            std::time::Duration::from_secs(2),
+        )?;
         let size = engine.size();
         let block = u64::from(self.logical_block_size);
         if size < block {
@@ -153,6 +156,10 @@ impl ServeArgs {
 
 /// Runs `acceld serve` until SIGTERM or SIGINT, then drains and exits.
 pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
+    // A live server on the socket is the clearer error; check it before the image lock.
+    if args.socket.exists() && std::os::unix::net::UnixStream::connect(&args.socket).is_ok() {
+        return Err(ServeError::SocketInUse(args.socket.clone()).into());
+    }
     let drive = args.build()?;
     let mut server = Server::bind(&args.socket, drive.clone())?;
     let stop = server.shutdown_handle();
@@ -166,6 +173,8 @@ pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
         "serving"
     );
     server.run()?;
+    // Drop the image locks now, not when the kernel tears the rings down after exit.
+    drive.engine().release();
     info!(connections = server.connections, "drained, exiting");
     Ok(())
 }

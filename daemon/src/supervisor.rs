@@ -258,6 +258,8 @@ struct DriveRt {
     last_error: Option<String>,
     nbd: Option<Arc<NbdStats>>,
     last_view: Option<DriveView>,
+    /// How the drive was last served directly (the way back if a switch to qemu fails).
+    direct_spec: Option<policy::ServeSpec>,
     rates: Rates,
 }
 
@@ -587,6 +589,7 @@ impl Supervisor {
         };
         // A drive that was direct before a restart goes on directly at once (its QEMU nodes
         // are still removed); everything else waits for the supervisor.
+        let mut direct_spec = None;
         let (engine, kind): (Arc<dyn Engine>, EngineKind) = match (&sd.recorded, sd.engine) {
             (Some(rec), EngineKind::Direct) if sd.nodes_removed => {
                 let path = rec
@@ -594,6 +597,16 @@ impl Supervisor {
                     .as_ref()
                     .map(|p| PathBuf::from(&p.filename))
                     .unwrap_or_else(|| PathBuf::from(&rec.node.filename));
+                direct_spec = Some(policy::ServeSpec {
+                    image: path.clone(),
+                    read_only: spec.read_only,
+                    direct: spec.direct,
+                    discard: spec.discard.clone(),
+                    logical_block_size: spec.logical_block_size,
+                    queues: spec.queues,
+                    serial: spec.serial.clone(),
+                    block_device: false,
+                });
                 let cfg = FileEngineConfig {
                     path,
                     read_only: spec.read_only,
@@ -601,19 +614,7 @@ impl Supervisor {
                     logical_block_size: spec.logical_block_size,
                     lock: true,
                 };
-                // The previous acceld's locks go with its last file reference, which the
-                // kernel may drop a moment after that process exited (io_uring teardown).
-                let t0 = Instant::now();
-                let e = loop {
-                    match FileEngine::open(cfg.clone()) {
-                        Err(EngineError::Locked { .. })
-                            if t0.elapsed() < Duration::from_secs(5) =>
-                        {
-                            std::thread::sleep(Duration::from_millis(20))
-                        }
-                        r => break r?,
-                    }
-                };
+                let e = FileEngine::open_waiting(cfg, Duration::from_secs(5))?;
                 (Arc::new(e), EngineKind::Direct)
             }
             _ => (Arc::new(HeldEngine), EngineKind::Held),
@@ -659,6 +660,7 @@ impl Supervisor {
                 last_error: None,
                 nbd: None,
                 last_view: None,
+                direct_spec,
                 rates: Rates::default(),
             }),
             spec,
@@ -1160,14 +1162,7 @@ impl Supervisor {
                 warn!(vm = %vm.name, drive = %d.spec.id, "switch to {} failed, rolling back: {}", to.kind().as_str(), e.chain());
                 lock(&d.rt).failed_switches += 1;
                 let back = match from {
-                    EngineKind::Direct => lock(&d.rt)
-                        .last_view
-                        .as_ref()
-                        .and_then(|v| match policy::decide(v) {
-                            Decision::Accelerate(s) => Some(s),
-                            Decision::Qemu(_) => None,
-                        })
-                        .map(Target::Direct),
+                    EngineKind::Direct => lock(&d.rt).direct_spec.clone().map(Target::Direct),
                     EngineKind::Qemu => Some(Target::Qemu),
                     EngineKind::Held => None,
                 };
@@ -1229,6 +1224,7 @@ impl Supervisor {
                     let mut rt = lock(&d.rt);
                     rt.applied_throttle = None;
                     rt.nbd = None;
+                    rt.direct_spec = Some(spec.clone());
                 }
                 d.set_engine(EngineKind::Direct);
                 Ok(Arc::new(e))

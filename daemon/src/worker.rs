@@ -497,7 +497,9 @@ impl Worker {
         if st.stop {
             self.stopping = true;
         }
-        if st.pause && !self.paused {
+        if st.pause && !st.drained {
+            // A new pause request (also while already paused, e.g. held): acknowledge it
+            // again once nothing is in flight.
             self.paused = true;
             self.acked = false;
         }

@@ -103,6 +103,17 @@ fn socket_in_use_and_sigterm() {
     ]);
     assert!(!ok);
     assert!(err.contains("is in use by another server"), "{err}");
+    // A second server on the same image, on another socket: refused by the image lock.
+    let other = dir.path().join("other.sock");
+    let (ok, err) = stderr_of(&[
+        "serve",
+        "--image",
+        img.to_str().unwrap(),
+        "--socket",
+        other.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(err.contains("in use by another process"), "{err}");
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(first.id() as i32, libc::SIGTERM) };
     let st = first.wait().unwrap();

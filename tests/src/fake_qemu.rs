@@ -1,0 +1,385 @@
+//! A scripted stand-in for QEMU, for hermetic supervisor tests: a QMP server that keeps a small
+//! model of one VM's block graph (nodes, exports, objects) and a simple NBD server that serves
+//! the image file for each export. Any command can be made to fail once (`fail_next`), and the
+//! NBD server can be stopped, to drive every rollback path of a switch.
+//!
+//! It answers what the supervisor asks, in QEMU 10's shapes; anything else gets
+//! `CommandNotFound`.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Value};
+
+#[derive(Clone, Debug)]
+struct Node {
+    driver: String,
+    file: String,
+    /// Child node (the `file` edge), if any.
+    child: Option<String>,
+}
+
+#[derive(Default)]
+struct Model {
+    nodes: BTreeMap<String, Node>,
+    /// export id -> (node, export name)
+    exports: BTreeMap<String, (String, String)>,
+    objects: BTreeSet<String>,
+    fail: HashMap<String, String>,
+    log: Vec<String>,
+    nbd_path: Option<PathBuf>,
+}
+
+pub struct FakeQemu {
+    pub qmp_path: PathBuf,
+    model: Arc<Mutex<Model>>,
+    nbd_up: Arc<AtomicBool>,
+    image: PathBuf,
+    chardev_socket: PathBuf,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl FakeQemu {
+    /// A VM with one drive `drive` (raw over file on `image`) whose vhost-user-blk device
+    /// uses `vhost_socket`.
+    pub fn start(dir: &Path, drive: &str, image: &Path, vhost_socket: &Path) -> Arc<Self> {
+        let qmp_path = dir.join("fake-qmp.sock");
+        let _ = std::fs::remove_file(&qmp_path);
+        let listener = UnixListener::bind(&qmp_path).expect("bind fake QMP");
+        let mut m = Model::default();
+        let fname = image.display().to_string();
+        m.nodes.insert(
+            format!("{drive}-file"),
+            Node {
+                driver: "file".into(),
+                file: fname.clone(),
+                child: None,
+            },
+        );
+        m.nodes.insert(
+            drive.to_string(),
+            Node {
+                driver: "raw".into(),
+                file: fname,
+                child: Some(format!("{drive}-file")),
+            },
+        );
+        m.objects.insert("accel-io".into());
+        let me = Arc::new(FakeQemu {
+            qmp_path,
+            model: Arc::new(Mutex::new(m)),
+            nbd_up: Arc::new(AtomicBool::new(true)),
+            image: image.to_path_buf(),
+            chardev_socket: vhost_socket.to_path_buf(),
+        });
+        let me2 = me.clone();
+        std::thread::spawn(move || {
+            for s in listener.incoming().map_while(Result::ok) {
+                let me3 = me2.clone();
+                std::thread::spawn(move || me3.serve_qmp(s));
+            }
+        });
+        me
+    }
+
+    /// The next `cmd` fails with `desc` (GenericError).
+    pub fn fail_next(&self, cmd: &str, desc: &str) {
+        lock(&self.model).fail.insert(cmd.into(), desc.into());
+    }
+
+    /// Whether QEMU's model has a node of that name.
+    pub fn has_node(&self, name: &str) -> bool {
+        lock(&self.model).nodes.contains_key(name)
+    }
+
+    pub fn exports(&self) -> Vec<String> {
+        lock(&self.model).exports.keys().cloned().collect()
+    }
+
+    pub fn objects(&self) -> Vec<String> {
+        lock(&self.model).objects.iter().cloned().collect()
+    }
+
+    /// Every command received, in order.
+    pub fn log(&self) -> Vec<String> {
+        lock(&self.model).log.clone()
+    }
+
+    /// Stop accepting NBD connections (the export "disappears" for new connections).
+    pub fn set_nbd_up(&self, up: bool) {
+        self.nbd_up.store(up, Ordering::Relaxed);
+    }
+
+    fn serve_qmp(&self, s: UnixStream) {
+        let mut w = s.try_clone().expect("clone");
+        let greeting = json!({"QMP": {"version": {"qemu": {"major": 10, "minor": 0, "micro": 2}, "package": "fake"}, "capabilities": []}});
+        if writeln!(w, "{greeting}").is_err() {
+            return;
+        }
+        for line in BufReader::new(s).lines().map_while(Result::ok) {
+            let Ok(req) = serde_json::from_str::<Value>(&line) else {
+                continue;
+            };
+            let id = req["id"].clone();
+            let cmd = req["execute"].as_str().unwrap_or_default().to_string();
+            let args = req["arguments"].clone();
+            let reply = match self.exec(&cmd, &args) {
+                Ok(v) => json!({"return": v, "id": id}),
+                Err((class, desc)) => json!({"error": {"class": class, "desc": desc}, "id": id}),
+            };
+            if writeln!(w, "{reply}").is_err() {
+                return;
+            }
+        }
+    }
+
+    fn exec(&self, cmd: &str, a: &Value) -> Result<Value, (&'static str, String)> {
+        let mut m = lock(&self.model);
+        m.log.push(cmd.to_string());
+        if let Some(desc) = m.fail.remove(cmd) {
+            return Err(("GenericError", desc));
+        }
+        let generic = |d: String| ("GenericError", d);
+        let s = |k: &str| a[k].as_str().unwrap_or_default().to_string();
+        match cmd {
+            "qmp_capabilities" | "cont" | "qom-set" => Ok(json!({})),
+            "query-status" => Ok(json!({"status": "running", "running": true})),
+            "query-migrate" => Ok(json!({})),
+            "query-block" => Ok(json!([])),
+            "query-chardev" => Ok(json!([
+                {"label": "d-sock", "filename": format!("unix:{}", self.chardev_socket.display()), "frontend-open": true}
+            ])),
+            "qom-list" => match a["path"].as_str() {
+                Some("/machine/peripheral") => {
+                    Ok(json!([{"name": "vdisk", "type": "child<vhost-user-blk-pci>"}]))
+                }
+                Some("/objects") => Ok(Value::Array(
+                    m.objects
+                        .iter()
+                        .map(|o| json!({"name": o, "type": "child<x>"}))
+                        .collect(),
+                )),
+                p => Err(generic(format!("no path {p:?}"))),
+            },
+            "qom-get" => Ok(json!("d-sock")),
+            "query-named-block-nodes" => Ok(Value::Array(
+                m.nodes
+                    .iter()
+                    .map(|(n, node)| {
+                        json!({"node-name": n, "drv": node.driver, "ro": false, "file": node.file,
+                           "image": {"virtual-size": 0}, "detect_zeroes": "off", "encrypted": false,
+                           "backing_file_depth": 0, "active": true,
+                           "cache": {"direct": true, "no-flush": false, "writeback": true}})
+                    })
+                    .collect(),
+            )),
+            "x-debug-query-block-graph" => {
+                let names: Vec<&String> = m.nodes.keys().collect();
+                let id = |n: &str| names.iter().position(|x| *x == n).unwrap_or(0) as u64 + 1;
+                let mut nodes: Vec<Value> = names
+                    .iter()
+                    .map(|n| json!({"id": id(n), "type": "block-driver", "name": n}))
+                    .collect();
+                let mut edges = Vec::new();
+                for (n, node) in &m.nodes {
+                    if let Some(c) = &node.child {
+                        edges.push(json!({"parent": id(n), "child": id(c), "name": "file"}));
+                    }
+                }
+                for (i, (_, (node, _))) in m.exports.iter().enumerate() {
+                    let eid = 1000 + i as u64;
+                    nodes.push(json!({"id": eid, "type": "block-backend", "name": ""}));
+                    edges.push(json!({"parent": eid, "child": id(node), "name": "root"}));
+                }
+                Ok(json!({"nodes": nodes, "edges": edges}))
+            }
+            "query-block-exports" => Ok(Value::Array(
+                m.exports
+                    .iter()
+                    .map(|(id, (node, _))| json!({"id": id, "node-name": node, "type": "nbd", "shutting-down": false}))
+                    .collect(),
+            )),
+            "blockdev-del" => {
+                let n = s("node-name");
+                if !m.nodes.contains_key(&n) {
+                    return Err(generic(format!("Failed to find node with node-name='{n}'")));
+                }
+                let used = m.nodes.values().any(|x| x.child.as_deref() == Some(&n))
+                    || m.exports.values().any(|(x, _)| x == &n);
+                if used {
+                    return Err(generic(format!("Node '{n}' is busy")));
+                }
+                m.nodes.remove(&n);
+                Ok(json!({}))
+            }
+            "blockdev-add" => {
+                let n = s("node-name");
+                if m.nodes.contains_key(&n) {
+                    return Err(generic(format!("Duplicate nodes with node-name='{n}'")));
+                }
+                let child = a["file"].as_str().map(String::from);
+                if let Some(c) = &child {
+                    if !m.nodes.contains_key(c) {
+                        return Err(generic(format!("Cannot find node '{c}'")));
+                    }
+                }
+                let file = match &child {
+                    Some(c) => m.nodes[c].file.clone(),
+                    None => s("filename"),
+                };
+                m.nodes.insert(
+                    n,
+                    Node {
+                        driver: s("driver"),
+                        file,
+                        child,
+                    },
+                );
+                Ok(json!({}))
+            }
+            "object-add" => {
+                m.objects.insert(s("id"));
+                Ok(json!({}))
+            }
+            "object-del" => {
+                m.objects.remove(&s("id"));
+                Ok(json!({}))
+            }
+            "nbd-server-start" => {
+                if m.nbd_path.is_some() {
+                    return Err(generic("NBD server already running".into()));
+                }
+                let p = PathBuf::from(a["addr"]["data"]["path"].as_str().unwrap_or_default());
+                let _ = std::fs::remove_file(&p);
+                let l = UnixListener::bind(&p).map_err(|e| generic(e.to_string()))?;
+                m.nbd_path = Some(p);
+                let model = self.model.clone();
+                let up = self.nbd_up.clone();
+                let image = self.image.clone();
+                std::thread::spawn(move || {
+                    for c in l.incoming().map_while(Result::ok) {
+                        if !up.load(Ordering::Relaxed) {
+                            continue; // dropped: the client sees EOF in the handshake
+                        }
+                        let model = model.clone();
+                        let image = image.clone();
+                        std::thread::spawn(move || {
+                            let _ = serve_nbd(c, &model, &image);
+                        });
+                    }
+                });
+                Ok(json!({}))
+            }
+            "block-export-add" => {
+                let id = s("id");
+                let node = s("node-name");
+                if !m.nodes.contains_key(&node) {
+                    return Err(generic(format!("Cannot find node '{node}'")));
+                }
+                if m.exports.contains_key(&id) {
+                    return Err(generic(format!("Block export id '{id}' is already in use")));
+                }
+                let name = a["name"].as_str().map(String::from).unwrap_or(node.clone());
+                m.exports.insert(id, (node, name));
+                Ok(json!({}))
+            }
+            "block-export-del" => {
+                let id = s("id");
+                if m.exports.remove(&id).is_none() {
+                    return Err(generic(format!("Export '{id}' is not found")));
+                }
+                Ok(json!({}))
+            }
+            _ => Err(("CommandNotFound", format!("The command {cmd} has not been found"))),
+        }
+    }
+}
+
+/// A minimal NBD server: fixed newstyle, NBD_OPT_GO (structured replies refused, so the
+/// client's simple-reply path runs), READ/WRITE/FLUSH/TRIM/WRITE_ZEROES on the image file.
+fn serve_nbd(mut s: UnixStream, model: &Mutex<Model>, image: &Path) -> std::io::Result<()> {
+    let f = File::options().read(true).write(true).open(image)?;
+    let size = f.metadata()?.len();
+    s.write_all(b"NBDMAGICIHAVEOPT")?;
+    s.write_all(&3u16.to_be_bytes())?;
+    let mut b4 = [0u8; 4];
+    s.read_exact(&mut b4)?;
+    loop {
+        let mut h = [0u8; 16];
+        s.read_exact(&mut h)?;
+        let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
+        let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data)?;
+        let reply = |s: &mut UnixStream, typ: u32, payload: &[u8]| -> std::io::Result<()> {
+            let mut r = Vec::new();
+            r.extend_from_slice(&0x0003_e889_0455_65a9u64.to_be_bytes());
+            r.extend_from_slice(&opt.to_be_bytes());
+            r.extend_from_slice(&typ.to_be_bytes());
+            r.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+            r.extend_from_slice(payload);
+            s.write_all(&r)
+        };
+        match opt {
+            7 => {
+                let nlen = u32::from_be_bytes(data[0..4].try_into().unwrap()) as usize;
+                let name = String::from_utf8_lossy(&data[4..4 + nlen]).into_owned();
+                let known = lock(model).exports.values().any(|(_, n)| n == &name);
+                if !known {
+                    reply(&mut s, (1 << 31) + 6, b"unknown export")?;
+                    continue;
+                }
+                let mut info = Vec::new();
+                info.extend_from_slice(&0u16.to_be_bytes());
+                info.extend_from_slice(&size.to_be_bytes());
+                info.extend_from_slice(&(1u16 | 4 | 8 | 32 | 64).to_be_bytes());
+                reply(&mut s, 3, &info)?;
+                reply(&mut s, 1, &[])?;
+                break;
+            }
+            _ => reply(&mut s, (1 << 31) + 1, b"unsupported")?,
+        }
+    }
+    loop {
+        let mut h = [0u8; 28];
+        s.read_exact(&mut h)?;
+        let typ = u16::from_be_bytes(h[6..8].try_into().unwrap());
+        let cookie = &h[8..16];
+        let off = u64::from_be_bytes(h[16..24].try_into().unwrap());
+        let len = u32::from_be_bytes(h[24..28].try_into().unwrap()) as usize;
+        let mut out = Vec::with_capacity(16);
+        out.extend_from_slice(&0x6744_6698u32.to_be_bytes());
+        let mut payload = Vec::new();
+        let err: u32 = match typ {
+            0 => {
+                payload = vec![0u8; len];
+                f.read_exact_at(&mut payload, off).map_or(5, |_| 0)
+            }
+            1 => {
+                let mut d = vec![0u8; len];
+                s.read_exact(&mut d)?;
+                f.write_all_at(&d, off).map_or(5, |_| 0)
+            }
+            2 => return Ok(()),
+            3 => f.sync_data().map_or(5, |_| 0),
+            4 => 0,
+            6 => f.write_all_at(&vec![0u8; len], off).map_or(5, |_| 0),
+            _ => 22,
+        };
+        out.extend_from_slice(&err.to_be_bytes());
+        out.extend_from_slice(cookie);
+        if typ == 0 && err == 0 {
+            out.extend_from_slice(&payload);
+        }
+        s.write_all(&out)?;
+    }
+}

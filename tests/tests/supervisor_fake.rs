@@ -1,0 +1,252 @@
+//! The supervisor's per-drive state machine against a scripted QMP fake and a fake NBD server,
+//! with the real engines and a verifying QD32 load on two queues running throughout: every
+//! switch, and the rollback of each failing step (export, node re-creation, NBD connect, node
+//! removal, export removal, and a failed rollback that holds the drive).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use accel_tests::fake_qemu::FakeQemu;
+use accel_tests::load::{fill_image, run_load, LoadSpec};
+use accel_tests::{BlkFrontend, FrontendOptions};
+use acceld::control::{DriveSpec, ThrottleLimits};
+use acceld::supervisor::{Config, Supervisor};
+use policy::Pin;
+use serde_json::Value;
+
+fn drive(sup: &Supervisor) -> Value {
+    sup.status()["vms"][0]["drives"][0].clone()
+}
+
+async fn wait_engine(sup: &Supervisor, engine: &str) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let d = drive(sup);
+        if d["engine"] == engine {
+            return d;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "not {engine}: {d}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switches_and_rollbacks_under_verified_load() {
+    accel_tests::harness::init_logs();
+    let dir = tempfile::Builder::new()
+        .prefix("accel-sup")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let size = 16u64 << 20;
+    let image = dir.path().join("d0.raw");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(size)
+        .unwrap();
+    fill_image(&image, size, 1).unwrap();
+    let run = dir.path().join("run");
+    let socket = run.join("vm").join("d0.sock");
+    let fake = FakeQemu::start(dir.path(), "d0", &image, &socket);
+    let sup = Supervisor::new(Config {
+        run_dir: run.clone(),
+        quiet_period_ms: 100,
+        // Only explicit requests act: injected failures must meet the step they target.
+        poll_interval_ms: 3_600_000,
+        attach_timeout_ms: 5000,
+        ..Config::default()
+    });
+    let spec = DriveSpec::parse(&format!("id=d0,image={},queues=2", image.display())).unwrap();
+    let s2 = sup.clone();
+    let qmp = fake.qmp_path.clone();
+    tokio::task::block_in_place(|| s2.register("vm".into(), qmp, vec![spec], false)).unwrap();
+    let d = wait_engine(&sup, "direct").await;
+    assert_eq!(d["device"], "vdisk", "{d}");
+    assert!(
+        !fake.has_node("d0") && !fake.has_node("d0-file"),
+        "nodes removed while direct"
+    );
+
+    // The guest: QD32 on two queues, verified, for as long as the steps run.
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let sock2 = socket.clone();
+    let load = std::thread::spawn(move || {
+        let mut fe = BlkFrontend::connect(
+            &sock2,
+            FrontendOptions {
+                queues: 2,
+                queue_size: 128,
+                max_data: 4096,
+                event_idx: true,
+            },
+        )
+        .unwrap();
+        let r = run_load(
+            &mut fe,
+            &LoadSpec {
+                block_size: 4096,
+                blocks: size / 4096,
+                depth: 32,
+                write_pct: 50,
+                requests: None,
+                duration: Some(Duration::from_secs(300)),
+                verify: true,
+                initial_seed: 1,
+                rng_seed: 11,
+                stop: Some(stop2),
+                sequential: false,
+                region_offset: 0,
+                single_pass: false,
+                initial_model: None,
+                poll: false,
+            },
+        )
+        .unwrap();
+        drop(fe);
+        r
+    });
+    let pause = || tokio::time::sleep(Duration::from_millis(100));
+    pause().await;
+
+    // Both ways.
+    sup.set_pin("vm", "d0", Some(Pin::Qemu), false)
+        .await
+        .unwrap();
+    assert_eq!(drive(&sup)["engine"], "qemu");
+    assert!(
+        fake.has_node("d0") && fake.has_node("d0-file"),
+        "nodes re-created"
+    );
+    assert_eq!(fake.exports(), vec!["accel-d0"]);
+    pause().await;
+    sup.set_pin("vm", "d0", None, false).await.unwrap();
+    assert_eq!(drive(&sup)["engine"], "direct");
+    assert!(fake.exports().is_empty() && !fake.has_node("d0"));
+    pause().await;
+
+    // Each failing step of direct -> qemu rolls back to direct.
+    let mut failed = 0;
+    for (cmd, desc) in [
+        ("block-export-add", "injected: export refused"),
+        ("blockdev-add", "injected: cannot open"),
+        ("nbd-server-start", "injected: address in use"),
+    ] {
+        fake.fail_next(cmd, desc);
+        let e = sup
+            .set_pin("vm", "d0", Some(Pin::Qemu), false)
+            .await
+            .unwrap_err();
+        failed += 1;
+        assert!(e.chain().contains("injected"), "{cmd}: {}", e.chain());
+        let d = drive(&sup);
+        assert_eq!(d["engine"], "direct", "{cmd} rolled back: {d}");
+        assert_eq!(d["failed_switches"], failed);
+        assert!(
+            fake.exports().is_empty() && !fake.has_node("d0"),
+            "{cmd}: clean"
+        );
+        sup.set_pin("vm", "d0", None, false).await.unwrap();
+        pause().await;
+    }
+    // The NBD export refuses connections: rollback to direct, export removed.
+    fake.set_nbd_up(false);
+    let e = sup
+        .set_pin("vm", "d0", Some(Pin::Qemu), false)
+        .await
+        .unwrap_err();
+    failed += 1;
+    println!("NBD down: {}", e.chain());
+    assert_eq!(drive(&sup)["engine"], "direct");
+    assert!(fake.exports().is_empty());
+    fake.set_nbd_up(true);
+    sup.set_pin("vm", "d0", None, false).await.unwrap();
+    pause().await;
+
+    // Each failing step of qemu -> direct rolls back to qemu.
+    sup.set_pin("vm", "d0", Some(Pin::Qemu), false)
+        .await
+        .unwrap();
+    for (cmd, desc) in [
+        ("blockdev-del", "injected: node busy"),
+        ("block-export-del", "injected: export busy"),
+    ] {
+        fake.fail_next(cmd, desc);
+        let e = sup.set_pin("vm", "d0", None, false).await.unwrap_err();
+        failed += 1;
+        assert!(e.chain().contains("injected"), "{cmd}: {}", e.chain());
+        let d = drive(&sup);
+        assert_eq!(d["engine"], "qemu", "{cmd} rolled back: {d}");
+        assert_eq!(fake.exports(), vec!["accel-d0"], "{cmd}: export back");
+        sup.set_pin("vm", "d0", Some(Pin::Qemu), false)
+            .await
+            .unwrap();
+        pause().await;
+    }
+
+    // Throttle: a filter and a group on top, the export on the filter; clear: direct after
+    // the quiet period, filter and group gone.
+    sup.set_pin("vm", "d0", None, false).await.unwrap();
+    let limits = ThrottleLimits {
+        iops_total: Some(100_000),
+        ..Default::default()
+    };
+    let d = sup.set_throttle("vm", "d0", Some(limits)).await.unwrap();
+    assert_eq!(d["engine"], "qemu");
+    assert_eq!(d["reasons"][0], "throttle");
+    assert!(fake.has_node("accel-throttle-d0"));
+    assert!(fake.objects().contains(&"accel-tg-d0".to_string()));
+    pause().await;
+    let d = sup.set_throttle("vm", "d0", None).await.unwrap();
+    assert_eq!(d["engine"], "qemu", "clear waits for the quiet period");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    sup.set_pin("vm", "d0", None, false).await.unwrap();
+    assert_eq!(drive(&sup)["engine"], "direct");
+    assert!(!fake.has_node("accel-throttle-d0"));
+    assert!(!fake.objects().contains(&"accel-tg-d0".to_string()));
+
+    // A failed switch whose rollback fails too: the drive is held (requests wait in the
+    // vring, none lost), and the next attempt serves them.
+    fake.fail_next("block-export-add", "injected: export refused");
+    fake.fail_next("blockdev-del", "injected: node busy");
+    let e = sup
+        .set_pin("vm", "d0", Some(Pin::Qemu), false)
+        .await
+        .unwrap_err();
+    failed += 1;
+    println!("double failure: {}", e.chain());
+    let d = drive(&sup);
+    assert_eq!(d["engine"], "held", "{d}");
+    let before = d["reads"].as_u64().unwrap() + d["writes"].as_u64().unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let d = drive(&sup);
+    let after = d["reads"].as_u64().unwrap() + d["writes"].as_u64().unwrap();
+    assert_eq!(before, after, "held: nothing served");
+    sup.set_pin("vm", "d0", Some(Pin::Qemu), false)
+        .await
+        .unwrap();
+    assert_eq!(drive(&sup)["engine"], "qemu");
+    pause().await;
+    sup.set_pin("vm", "d0", None, false).await.unwrap();
+    assert_eq!(drive(&sup)["engine"], "direct");
+    pause().await;
+
+    stop.store(true, Ordering::Relaxed);
+    let r = tokio::task::spawn_blocking(move || load.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(r.errors, 0, "the guest saw no I/O error");
+    assert_eq!(r.mismatch_count, 0, "{:?}", r.mismatches);
+    assert_eq!(r.verify_image(&image, 4096).unwrap(), size / 4096);
+    let d = drive(&sup);
+    assert_eq!(d["failed_switches"], failed);
+    println!(
+        "{}; switches {} ({} failed: rolled back, or held once and then served); pauses to qemu {} / to direct {}",
+        r.summary(),
+        d["switches"],
+        failed,
+        d["pauses_to_qemu"],
+        d["pauses_to_direct"]
+    );
+    sup.shutdown();
+}
