@@ -8,7 +8,8 @@ use thiserror::Error;
 use tracing::info;
 
 use crate::drive::{DiscardMode, Drive, DriveConfig};
-use crate::engine::{EngineError, FileEngine, FileEngineConfig};
+use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig};
+use crate::nbd::{NbdEngine, NbdError};
 use crate::vhost::{ServeError, Server, ShutdownHandle};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -27,8 +28,15 @@ pub enum DiscardArg {
 #[derive(Args, Clone, Debug)]
 pub struct ServeArgs {
     /// Raw image file or block device.
+    #[arg(long, required_unless_present = "nbd_socket")]
+    pub image: Option<PathBuf>,
+    /// Serve through an NBD export instead of a file (the qemu engine): the NBD server's
+    /// unix socket, e.g. QEMU's `nbd-server-start` address. For tests and benchmarks.
+    #[arg(long, conflicts_with = "image", requires = "nbd_export")]
+    pub nbd_socket: Option<PathBuf>,
+    /// The NBD export's name (with --nbd-socket).
     #[arg(long)]
-    pub image: PathBuf,
+    pub nbd_export: Option<String>,
     /// vhost-user socket to listen on (QEMU: -chardev socket,path=...).
     #[arg(long)]
     pub socket: PathBuf,
@@ -91,50 +99,66 @@ pub enum ServeCmdError {
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]
+    Nbd(#[from] NbdError),
+    #[error(transparent)]
     Serve(#[from] ServeError),
     #[error("cannot install the signal handler")]
     Signals(#[source] std::io::Error),
 }
 
 impl ServeArgs {
-    /// The drive and its direct engine, with every argument checked.
+    /// The drive and its engine (direct, or NBD with --nbd-socket), every argument checked.
     pub fn build(&self) -> Result<Arc<Drive>, ServeCmdError> {
-        if !self.image.exists() {
-            return Err(ServeCmdError::NoImage(self.image.clone()));
-        }
+        let (engine, size, path, label): (Arc<dyn Engine>, u64, PathBuf, String) =
+            match (&self.image, &self.nbd_socket) {
+                (_, Some(sock)) => {
+                    let export = self.nbd_export.clone().unwrap_or_default();
+                    let e = NbdEngine::connect(sock, &export)?;
+                    let size = e.info().size;
+                    (Arc::new(e), size, sock.clone(), export)
+                }
+                (Some(image), None) => {
+                    if !image.exists() {
+                        return Err(ServeCmdError::NoImage(image.clone()));
+                    }
+                    let e = FileEngine::open_waiting(
+                        FileEngineConfig {
+                            path: image.clone(),
+                            read_only: self.read_only,
+                            direct: self.direct == OnOff::On,
+                            logical_block_size: self.logical_block_size,
+                            lock: true,
+                        },
+                        std::time::Duration::from_secs(2),
+                    )?;
+                    let size = e.size();
+                    let label = image
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_else(|| "disk".into());
+                    (Arc::new(e), size, image.clone(), label)
+                }
+                (None, None) => return Err(ServeCmdError::NoImage(PathBuf::new())),
+            };
         let serial = match &self.serial {
             Some(s) if s.len() > 20 => return Err(ServeCmdError::SerialTooLong(s.clone())),
             Some(s) => s.clone(),
-            None => self
-                .image
-                .file_name()
-                .map(|n| n.to_string_lossy().chars().take(20).collect())
-                .unwrap_or_default(),
+            None => label.chars().take(20).collect(),
         };
-        let engine = FileEngine::open_waiting(
-            FileEngineConfig {
-                path: self.image.clone(),
-                read_only: self.read_only,
-                direct: self.direct == OnOff::On,
-                logical_block_size: self.logical_block_size,
-                lock: true,
-            },
-            std::time::Duration::from_secs(2),
-        )?;
-        let size = engine.size();
         let block = u64::from(self.logical_block_size);
         if size < block {
             return Err(ServeCmdError::TooSmall {
-                path: self.image.clone(),
+                path,
                 size,
                 block: self.logical_block_size,
             });
         }
-        let name = self
-            .image
-            .file_stem()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "disk".into());
+        let name = label
+            .split('.')
+            .next()
+            .filter(|n| !n.is_empty())
+            .unwrap_or("disk")
+            .to_string();
         let cfg = DriveConfig {
             name,
             serial,
@@ -150,7 +174,7 @@ impl ServeArgs {
             },
             poll_us: self.poll_us,
         };
-        Ok(Drive::new(cfg, Arc::new(engine)))
+        Ok(Drive::new(cfg, engine))
     }
 }
 
@@ -165,7 +189,7 @@ pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
     let stop = server.shutdown_handle();
     install_signals(stop)?;
     info!(
-        image = %args.image.display(),
+        image = %args.image.as_deref().or(args.nbd_socket.as_deref()).unwrap_or(std::path::Path::new("")).display(),
         socket = %args.socket.display(),
         queues = args.queues,
         capacity = drive.config().capacity_bytes,
