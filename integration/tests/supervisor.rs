@@ -166,6 +166,37 @@ fn raw_drive_story_under_guest_writes() -> Result<()> {
     assert!(d["pauses_to_qemu"]["count"].as_u64().unwrap() >= 21);
     assert!(d["pauses_to_direct"]["count"].as_u64().unwrap() >= 21);
 
+    // A block job on the drive's node keeps it in QEMU while it runs; when the job ends the
+    // drive goes back to direct by itself (events + quiet period).
+    acc.ctl_ok(&["handback", "vm1", "d0"])?;
+    t.cmd(
+        "drive-mirror",
+        json!({"device": "d0", "target": dir.path().join("m.raw"), "format": "raw",
+               "sync": "full", "job-id": "m1", "speed": 65536}),
+    )?;
+    acc.ctl_ok(&["accelerate", "vm1", "d0"])?;
+    std::thread::sleep(Duration::from_millis(800));
+    let d = acc.drive("vm1", "d0")?;
+    assert_eq!(
+        d["engine"], "qemu",
+        "a running mirror keeps the drive in QEMU: {d}"
+    );
+    assert!(d["reasons"].to_string().contains("block-job"), "{d}");
+    println!("mirror running: reasons {}", d["reasons"]);
+    t.cmd("block-job-cancel", json!({"device": "m1", "force": true}))?;
+    let took = acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;
+    println!("mirror cancelled -> direct again in {took:?}");
+
+    // A migration sent straight to QEMU is refused (no dirty logging yet): nothing changes.
+    let mig = t.cmd("migrate", json!({"uri": "exec:cat > /dev/null"}));
+    let mig_state = t.cmd("query-migrate", Value::Null)?;
+    println!("migrate: {mig:?}; query-migrate: {mig_state}");
+    assert!(
+        mig.is_err() || mig_state["status"] == "failed",
+        "QEMU must refuse to migrate without VHOST_F_LOG_ALL: {mig_state}"
+    );
+    assert_eq!(acc.drive("vm1", "d0")?["engine"], "direct");
+
     // acceld restart under the running guest.
     let took = acc.restart()?;
     acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;
@@ -248,5 +279,72 @@ fn qcow2_drive_is_served_by_qemu() -> Result<()> {
         "data is in the qcow2 file"
     );
     let _ = PathBuf::new();
+    Ok(())
+}
+
+/// accelctl's errors and exit codes, against a live acceld (no VM needed).
+#[test]
+fn accelctl_errors_and_exit_codes() -> Result<()> {
+    let dir = workdir("ctl");
+    let run = dir.path().join("run");
+    let img = dir.path().join("x.raw");
+    std::fs::File::create(&img)?.set_len(1 << 20)?;
+    let mut acc = AcceldRun::start(&run, CONFIG)?;
+    let qmp = dir.path().join("nobody.qmp");
+    let q = qmp.to_str().unwrap();
+    let drive = format!("id=x0,image={}", img.display());
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (vec!["explain", "nope", "d0"], 3, "no VM named nope"),
+        (
+            vec!["register", "--vm", "v", "--qmp", q, "--drive", "id=x0"],
+            2,
+            "missing image=",
+        ),
+        (
+            vec![
+                "register",
+                "--vm",
+                "v",
+                "--qmp",
+                q,
+                "--drive",
+                "id=x0,image=/no/such.raw",
+            ],
+            2,
+            "does not exist",
+        ),
+        (
+            vec![
+                "register", "--vm", "bad name", "--qmp", q, "--drive", &drive,
+            ],
+            2,
+            "not a valid name",
+        ),
+        (vec!["throttle", "v", "x0"], 2, "at least one limit"),
+        (vec!["qemu-args", "--vm", "nope"], 3, "no VM named"),
+    ];
+    for (args, code, text) in &cases {
+        let (c, _, err) = acc.ctl(args)?;
+        assert_eq!(c, *code, "{args:?}: {err}");
+        assert!(err.contains(text), "{args:?}: {err}");
+    }
+    acc.ctl_ok(&["register", "--vm", "v", "--qmp", q, "--drive", &drive])?;
+    assert!(run.join("v").join("x0.sock").exists());
+    let (c, _, err) = acc.ctl(&["register", "--vm", "v", "--qmp", q, "--drive", &drive])?;
+    assert_eq!(c, 4, "{err}");
+    // Not attached (no QEMU): operations that need QMP fail with 1 and say why.
+    let (c, _, err) = acc.ctl(&["handback", "v", "x0"])?;
+    assert_eq!(c, 1, "{err}");
+    assert!(err.contains("not attached"), "{err}");
+    let (c, _, err) = acc.ctl(&["explain", "v", "nope"])?;
+    assert_eq!(c, 3, "{err}");
+    let table = acc.ctl_ok(&["status"])?;
+    assert!(table.contains("x0") && table.contains("held"), "{table}");
+    acc.ctl_ok(&["unregister", "v"])?;
+    assert!(!run.join("v").join("x0.sock").exists(), "socket removed");
+    acc.terminate()?;
+    let (c, _, err) = acc.ctl(&["status"])?;
+    assert_eq!(c, 5, "{err}");
+    assert!(err.contains("cannot reach acceld"), "{err}");
     Ok(())
 }

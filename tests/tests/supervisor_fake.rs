@@ -248,5 +248,10 @@ async fn switches_and_rollbacks_under_verified_load() {
         d["pauses_to_qemu"],
         d["pauses_to_direct"]
     );
+    let m = sup.metrics();
+    assert!(
+        m.contains("accel_drive_switches_total{vm=\"vm\",drive=\"d0\",engine=\"direct\"}"),
+        "{m}"
+    );
     sup.shutdown();
 }
