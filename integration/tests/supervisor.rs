@@ -182,6 +182,10 @@ fn raw_drive_story_under_guest_writes() -> Result<()> {
         "a running mirror keeps the drive in QEMU: {d}"
     );
     assert!(d["reasons"].to_string().contains("block-job"), "{d}");
+    assert!(
+        d["reasons"].to_string().contains("filter:mirror_top"),
+        "{d}"
+    );
     println!("mirror running: reasons {}", d["reasons"]);
     t.cmd("block-job-cancel", json!({"device": "m1", "force": true}))?;
     let took = acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;

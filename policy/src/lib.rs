@@ -200,6 +200,9 @@ const FILTERS: &[&str] = &[
     "snapshot-access",
     "quorum",
     "replication",
+    // Implicit filters that block jobs insert above their node (QEMU 10 names them so).
+    "mirror_top",
+    "commit_top",
 ];
 const MIGRATING: &[&str] = &[
     "setup",

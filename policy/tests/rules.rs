@@ -286,3 +286,45 @@ fn malformed_outputs_are_clear_errors() {
     let e = parse_graph(&serde_json::json!({"nodes": []})).unwrap_err();
     assert!(e.to_string().contains("nodes and edges"), "{e}");
 }
+
+#[test]
+fn a_running_mirror_is_a_filter_and_a_job() {
+    use policy::{decide, Decision, DriveView, NodeView, Parent};
+    let raw = NodeView {
+        name: "d0".into(),
+        driver: "raw".into(),
+        filename: "/x.raw".into(),
+        active: true,
+        cache_direct: true,
+        cache_writeback: true,
+        detect_zeroes: "off".into(),
+        ..Default::default()
+    };
+    let file = NodeView {
+        name: "d0-file".into(),
+        driver: "file".into(),
+        ..raw.clone()
+    };
+    let v = DriveView {
+        drive: "d0".into(),
+        node: Some(raw),
+        protocol: Some(file),
+        parents: vec![
+            Parent::Filter("mirror_top".into()),
+            Parent::Job("m1".into()),
+        ],
+        vm: policy::VmState {
+            run_state: "running".into(),
+            migration: None,
+        },
+        memory_shared: true,
+        ..Default::default()
+    };
+    match decide(&v) {
+        Decision::Qemu(r) => {
+            let codes: Vec<String> = r.iter().map(|x| x.code()).collect();
+            assert_eq!(codes, vec!["filter:mirror_top", "block-job:m1"]);
+        }
+        d => panic!("{d:?}"),
+    }
+}
