@@ -811,6 +811,8 @@ impl Supervisor {
         let mut by_label = BTreeMap::new();
         for c in chardevs.as_array().into_iter().flatten() {
             if let (Some(l), Some(f)) = (c["label"].as_str(), c["filename"].as_str()) {
+                // A reconnecting client socket shows as "disconnected:unix:PATH".
+                let f = f.strip_prefix("disconnected:").unwrap_or(f);
                 if let Some(p) = f.strip_prefix("unix:") {
                     let path = p.split(',').next().unwrap_or(p);
                     by_label.insert(l.to_string(), PathBuf::from(path));
@@ -1493,6 +1495,13 @@ impl Supervisor {
         d: &Arc<DriveSlot>,
     ) -> Result<Value, SupError> {
         let qmp = vm.qmp()?;
+        if lock(&d.rt).device.is_none() {
+            return Err(SupError::NotFound(format!(
+                "VM {} has no vhost-user-blk-pci device on {} (see the VM contract: accelctl qemu-args)",
+                vm.name,
+                d.socket.display()
+            )));
+        }
         let r = self.reconcile(vm, d, &qmp, true).await;
         self.save();
         r?;

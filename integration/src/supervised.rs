@@ -164,6 +164,29 @@ impl AcceldRun {
             .ok_or_else(|| anyhow!("no drive {vm}/{drive} in status: {st}\n{}", self.log_text()))
     }
 
+    /// Polls until acceld has attached to the VM over QMP.
+    pub fn wait_attached(&self, vm: &str, timeout: Duration) -> Result<Duration> {
+        let t0 = Instant::now();
+        loop {
+            let st = self.status()?;
+            let attached = st["vms"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|v| v["vm"] == vm && v["attached"] == true);
+            if attached {
+                return Ok(t0.elapsed());
+            }
+            if t0.elapsed() > timeout {
+                bail!(
+                    "{vm} not attached within {timeout:?}: {st}\n{}",
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Polls until the drive runs on `engine`; returns how long it took.
     pub fn wait_engine(
         &self,

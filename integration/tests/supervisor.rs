@@ -204,10 +204,18 @@ fn raw_drive_story_under_guest_writes() -> Result<()> {
     // acceld restart under the running guest.
     let took = acc.restart()?;
     acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;
-    println!("acceld SIGTERM + restart: {took:?}, drive direct again");
-    // Both ways once more after the restart, so re-attach is proven.
-    acc.ctl_ok(&["handback", "vm1", "d0"])?;
+    let att = acc.wait_attached("vm1", Duration::from_secs(10))?;
+    println!("acceld SIGTERM + restart: {took:?}, drive direct again, re-attached {att:?} later");
+    // Both ways once more after the restart, so re-attach is proven; and a restart while the
+    // drive is on the qemu engine (a persistent pin): held until re-attach, then qemu again.
+    acc.ctl_ok(&["handback", "vm1", "d0", "--pin"])?;
+    assert_eq!(acc.drive("vm1", "d0")?["engine"], "qemu");
+    let took = acc.restart()?;
+    let back = acc.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
+    acc.wait_attached("vm1", Duration::from_secs(10))?;
+    println!("restart on the qemu engine: {took:?}, qemu again {back:?} later");
     acc.ctl_ok(&["accelerate", "vm1", "d0"])?;
+    assert_eq!(acc.drive("vm1", "d0")?["engine"], "direct");
     std::thread::sleep(Duration::from_secs(2));
 
     let out = finish_guest(&mut g)?;
