@@ -1080,6 +1080,21 @@ impl Supervisor {
                 if !urgent && since.elapsed() < quiet {
                     return Ok(());
                 }
+                if lock(&d.rt).applied_throttle.is_some() {
+                    // Lift the limits first: the drain would otherwise wait for every request
+                    // the throttle is holding back (in flight / limit seconds).
+                    let unlimited = json!({"iops-total": 0, "iops-read": 0, "iops-write": 0,
+                                           "bps-total": 0, "bps-read": 0, "bps-write": 0});
+                    let r = q(
+                        qmp,
+                        "qom-set",
+                        json!({"path": group_id(&d.spec.id), "property": "limits", "value": unlimited}),
+                    )
+                    .await;
+                    if let Err(e) = r {
+                        debug!(drive = %d.spec.id, "cannot lift the limits before the switch: {}", e.chain());
+                    }
+                }
                 self.transition(vm, d, qmp, Target::Direct(spec.clone()))
                     .await
             }
