@@ -162,14 +162,7 @@ fn call(cli: &Cli, req: &Request) -> Result<Value, Fail> {
 }
 
 fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(x) = src {
-        s.push_str(": ");
-        s.push_str(&x.to_string());
-        src = x.source();
-    }
-    s
+    acceld::error_chain(e)
 }
 
 fn run(cli: &Cli) -> Result<(), Fail> {

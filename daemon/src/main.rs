@@ -37,13 +37,7 @@ fn main() -> ExitCode {
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let mut msg = format!("acceld: {e}");
-            let mut src = e.source();
-            while let Some(s) = src {
-                msg.push_str(&format!(": {s}"));
-                src = s.source();
-            }
-            eprintln!("{msg}");
+            eprintln!("acceld: {}", acceld::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }

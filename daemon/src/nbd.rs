@@ -394,7 +394,7 @@ impl Engine for NbdEngine {
 fn connect_and_read(conn: Arc<Conn>, path: &Path, export: &str, want: ExportInfo) {
     let (sock, info) = match connect(path, export) {
         Ok(x) => x,
-        Err(e) => return conn.fail_all(&format!("cannot connect: {}", error_chain(&e))),
+        Err(e) => return conn.fail_all(&format!("cannot connect: {}", crate::error_chain(&e))),
     };
     if info.size != want.size {
         disconnect(&sock);
@@ -417,17 +417,6 @@ fn connect_and_read(conn: Arc<Conn>, path: &Path, export: &str, want: ExportInfo
     // Wake the worker: requests pushed meanwhile wait to be sent.
     conn.signal();
     reader(conn, reader_sock, info);
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(x) = src {
-        s.push_str(": ");
-        s.push_str(&x.to_string());
-        src = x.source();
-    }
-    s
 }
 
 /// The guest's iovec array of one request (it lives in the worker's slot until completion).
@@ -763,44 +752,29 @@ impl Drop for NbdQueue {
 
 /// Writes every byte of `iov` (in IOV_MAX batches), adjusting it after short writes.
 fn write_all_vectored(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<()> {
-    let mut start = 0;
-    while start < iov.len() {
-        let n = (iov.len() - start).min(1024);
-        // SAFETY: iov[start..start+n] are valid iovecs over live memory (see submit).
-        let r = unsafe { libc::writev(fd, iov[start..].as_ptr(), n as libc::c_int) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        let mut w = r as usize;
-        while w > 0 && start < iov.len() {
-            if w >= iov[start].iov_len {
-                w -= iov[start].iov_len;
-                start += 1;
-            } else {
-                // SAFETY: w < iov_len, so the pointer stays inside the buffer.
-                iov[start].iov_base = unsafe { (iov[start].iov_base as *mut u8).add(w) }.cast();
-                iov[start].iov_len -= w;
-                w = 0;
-            }
-        }
-        while start < iov.len() && iov[start].iov_len == 0 {
-            start += 1;
-        }
-    }
-    Ok(())
+    // SAFETY: the iovecs are valid over live memory (see submit); writev only reads them.
+    transfer_all(iov, |v, n| unsafe { libc::writev(fd, v, n) })
 }
 
 /// Reads exactly the bytes `iov` describes.
 fn read_all_vectored(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<()> {
+    // SAFETY: the iovecs point into guest memory of a request in flight (see reader).
+    transfer_all(iov, |v, n| unsafe { libc::readv(fd, v, n) })
+}
+
+/// Runs `op` (readv or writev) until every byte of `iov` moved, in IOV_MAX batches, advancing
+/// past short transfers; EINTR is retried and a zero-byte transfer is end of file.
+fn transfer_all(
+    iov: &mut [libc::iovec],
+    mut op: impl FnMut(*const libc::iovec, libc::c_int) -> isize,
+) -> io::Result<()> {
     let mut start = 0;
+    while start < iov.len() && iov[start].iov_len == 0 {
+        start += 1;
+    }
     while start < iov.len() {
         let n = (iov.len() - start).min(1024);
-        // SAFETY: the iovecs point into guest memory of a request in flight (see reader).
-        let r = unsafe { libc::readv(fd, iov[start..].as_ptr(), n as libc::c_int) };
+        let r = op(iov[start..].as_ptr(), n as libc::c_int);
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -811,17 +785,20 @@ fn read_all_vectored(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<()> {
         if r == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
-        let mut w = r as usize;
-        while w > 0 && start < iov.len() {
-            if w >= iov[start].iov_len {
-                w -= iov[start].iov_len;
+        let mut done = r as usize;
+        while done > 0 && start < iov.len() {
+            if done >= iov[start].iov_len {
+                done -= iov[start].iov_len;
                 start += 1;
             } else {
-                // SAFETY: w < iov_len, so the pointer stays inside the buffer.
-                iov[start].iov_base = unsafe { (iov[start].iov_base as *mut u8).add(w) }.cast();
-                iov[start].iov_len -= w;
-                w = 0;
+                // SAFETY: done < iov_len, so the pointer stays inside the buffer.
+                iov[start].iov_base = unsafe { (iov[start].iov_base as *mut u8).add(done) }.cast();
+                iov[start].iov_len -= done;
+                done = 0;
             }
+        }
+        while start < iov.len() && iov[start].iov_len == 0 {
+            start += 1;
         }
     }
     Ok(())

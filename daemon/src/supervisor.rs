@@ -136,14 +136,7 @@ impl SupError {
 
     /// The error and its sources, one line.
     pub fn chain(&self) -> String {
-        let mut s = self.to_string();
-        let mut src = std::error::Error::source(self);
-        while let Some(e) = src {
-            s.push_str(": ");
-            s.push_str(&e.to_string());
-            src = e.source();
-        }
-        s
+        crate::error_chain(self)
     }
 }
 
