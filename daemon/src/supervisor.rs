@@ -1469,7 +1469,7 @@ impl Supervisor {
             rt.pin = pin;
             rt.pin_persistent = persistent && pin.is_some();
         }
-        self.act_now(&vmr, &d).await
+        self.act_now(&vmr, &d, true).await
     }
 
     /// Sets or clears a throttle. Setting acts at once; clearing lets the drive go back to
@@ -1489,18 +1489,15 @@ impl Supervisor {
         }
         let urgent = limits.is_some();
         lock(&d.rt).throttle = limits;
-        let qmp = vmr.qmp()?;
-        let r = self.reconcile(&vmr, &d, &qmp, urgent).await;
-        self.save();
-        r?;
-        Ok(self.drive_status(&vmr, &d))
+        self.act_now(&vmr, &d, urgent).await
     }
 
-    /// Reconciles one drive at once (operator request), skipping the quiet period.
+    /// Reconciles one drive now (operator request); `urgent` skips the quiet period.
     async fn act_now(
         self: &Arc<Self>,
         vm: &Arc<Vm>,
         d: &Arc<DriveSlot>,
+        urgent: bool,
     ) -> Result<Value, SupError> {
         let qmp = vm.qmp()?;
         if lock(&d.rt).device.is_none() {
@@ -1510,7 +1507,7 @@ impl Supervisor {
                 d.socket.display()
             )));
         }
-        let r = self.reconcile(vm, d, &qmp, true).await;
+        let r = self.reconcile(vm, d, &qmp, urgent).await;
         self.save();
         r?;
         Ok(self.drive_status(vm, d))

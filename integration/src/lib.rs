@@ -103,19 +103,7 @@ impl Acceld {
 
     /// SIGTERM, then wait (it drains first); returns its exit status.
     pub fn terminate(&mut self) -> Result<std::process::ExitStatus> {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = self.child.try_wait()? {
-                return Ok(st);
-            }
-            if t0.elapsed() > Duration::from_secs(30) {
-                let _ = self.child.kill();
-                bail!("acceld did not exit within 30 s of SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        sigterm_and_wait(&mut self.child, Duration::from_secs(30))
     }
 }
 
@@ -129,6 +117,23 @@ impl Drop for Acceld {
 }
 
 /// One vhost-user-blk disk of the guest.
+/// SIGTERM to a child (acceld), then wait for it to exit; SIGKILL and fail after `timeout`.
+pub fn sigterm_and_wait(child: &mut Child, timeout: Duration) -> Result<std::process::ExitStatus> {
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait()? {
+            return Ok(st);
+        }
+        if t0.elapsed() > timeout {
+            let _ = child.kill();
+            bail!("acceld did not exit within {timeout:?} of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 pub struct GuestDisk {
     pub socket: PathBuf,
     pub queues: u16,

@@ -104,19 +104,7 @@ impl AcceldRun {
         let Some(mut c) = self.child.take() else {
             bail!("acceld is not running");
         };
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = c.try_wait()? {
-                return Ok(st);
-            }
-            if t0.elapsed() > Duration::from_secs(60) {
-                let _ = c.kill();
-                bail!("acceld did not exit within 60 s of SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        crate::sigterm_and_wait(&mut c, Duration::from_secs(60))
     }
 
     pub fn log_text(&self) -> String {
