@@ -27,6 +27,9 @@ pub enum DiscardMode {
     Ignore,
 }
 
+/// Default most microseconds a queue busy-polls before sleeping: QEMU's `poll-max-ns`.
+pub const DEFAULT_POLL_US: u32 = 32;
+
 #[derive(Clone, Debug)]
 pub struct DriveConfig {
     /// For logs and status.
@@ -40,7 +43,8 @@ pub struct DriveConfig {
     /// Largest queue size the frontend may choose.
     pub queue_size: u16,
     pub discard: DiscardMode,
-    /// Busy-poll the vring and the engine for this long before sleeping (0: never poll).
+    /// Most microseconds a queue busy-polls the vring and the engine before sleeping (the
+    /// window adapts up to this; 0: never poll).
     pub poll_us: u32,
 }
 

@@ -139,6 +139,33 @@ pub struct FileEngineConfig {
     pub logical_block_size: u32,
     /// Take QEMU-compatible image locks (see [`qemu_lock`]) while the engine exists.
     pub lock: bool,
+    /// How requests reach the file (see [`IoMode`]).
+    pub io: IoMode,
+}
+
+/// How the file engine issues I/O.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum IoMode {
+    /// `Inline` for images in memory (tmpfs, ramfs, hugetlbfs), `Uring` for everything else.
+    #[default]
+    Auto,
+    /// io_uring, one ring per queue: many requests in flight, one system call per batch.
+    Uring,
+    /// preadv2/pwritev2 on the queue's own thread. For memory file systems, where the kernel
+    /// cannot do I/O without blocking (no RWF_NOWAIT) and io_uring would hand every request
+    /// to a kernel worker thread: a copy on the queue's thread is cheaper than that hop.
+    /// Never for slow storage: one request at a time per queue.
+    Inline,
+}
+
+impl IoMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            IoMode::Auto => "auto",
+            IoMode::Uring => "io_uring",
+            IoMode::Inline => "inline",
+        }
+    }
 }
 
 /// The direct engine: io_uring on a raw file or block device, one ring per queue.
@@ -148,6 +175,8 @@ pub struct FileEngine {
     size: u64,
     block_device: bool,
     mem_align: u32,
+    /// `cfg.io` resolved: never `Auto`.
+    io: IoMode,
 }
 
 impl FileEngine {
@@ -193,12 +222,18 @@ impl FileEngine {
             }
             mem_align = mem.max(1);
         }
+        let io = match cfg.io {
+            IoMode::Auto if in_memory_fs(&file) => IoMode::Inline,
+            IoMode::Auto => IoMode::Uring,
+            m => m,
+        };
         Ok(FileEngine {
             cfg,
             file: Arc::new(file),
             size,
             block_device,
             mem_align,
+            io,
         })
     }
 
@@ -229,6 +264,29 @@ impl FileEngine {
     pub fn config(&self) -> &FileEngineConfig {
         &self.cfg
     }
+
+    /// The I/O mode in use (`Auto` resolved).
+    pub fn io_mode(&self) -> IoMode {
+        self.io
+    }
+}
+
+/// Whether the file lives in memory (tmpfs, ramfs, hugetlbfs): its I/O is a copy that never
+/// waits for a device, and that the kernel cannot start without blocking.
+fn in_memory_fs(f: &File) -> bool {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+    // SAFETY: statfs is plain old data; all-zero is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the fd is open and st is a valid statfs buffer that outlives the call.
+    if unsafe { libc::fstatfs(f.as_raw_fd(), &mut st) } != 0 {
+        return false;
+    }
+    matches!(
+        st.f_type as i64,
+        TMPFS_MAGIC | RAMFS_MAGIC | HUGETLBFS_MAGIC
+    )
 }
 
 // QEMU's image locking (block/file-posix.c): one byte per permission, shared (read) OFD
@@ -356,7 +414,7 @@ fn dio_alignment(f: &File) -> Option<(u32, u32)> {
 
 impl Engine for FileEngine {
     fn name(&self) -> &str {
-        "io_uring"
+        self.io.name()
     }
 
     fn release(&self) {
@@ -374,6 +432,15 @@ impl Engine for FileEngine {
     }
 
     fn open_queue(&self, queue: usize, depth: u32) -> Result<Box<dyn QueueIo>, EngineError> {
+        if self.io == IoMode::Inline {
+            return Ok(Box::new(InlineQueue {
+                file: self.file.clone(),
+                pending: Vec::with_capacity(depth as usize),
+                ready: Vec::with_capacity(depth as usize),
+                depth: depth as usize,
+                idle: EventFd::new(EFD_NONBLOCK).map_err(EngineError::EventFd)?,
+            }));
+        }
         let ring_err = |source| EngineError::Ring { queue, source };
         let entries = depth.clamp(8, 4096).next_power_of_two();
         let mut b = IoUring::builder();
@@ -507,6 +574,102 @@ impl QueueIo for RingQueue {
         for cqe in self.ring.completion() {
             out.push((cqe.user_data(), cqe.result()));
         }
+    }
+}
+
+/// The inline mode's queue: operations are kept at `push` and run, in order, on the worker's
+/// thread at `submit`; their results are ready at once.
+struct InlineQueue {
+    file: Arc<File>,
+    pending: Vec<(Pending, u64)>,
+    ready: Vec<(u64, i32)>,
+    depth: usize,
+    /// Never signalled: completions are reaped right after `submit` (`has_completions`).
+    idle: EventFd,
+}
+
+/// An operation waiting for `submit`.
+struct Pending(IoOp);
+
+// SAFETY: the raw iovec pointers in a pending operation are only dereferenced by `submit`, on
+// the thread that owns the queue, and the `push` contract keeps them valid until the
+// operation's completion is reaped.
+unsafe impl Send for Pending {}
+
+impl InlineQueue {
+    fn run(&self, op: &IoOp) -> i32 {
+        let fd = self.file.as_raw_fd();
+        loop {
+            // SAFETY: fd is open; the iovecs and the memory they point to are valid for the
+            // operation (the `push` contract).
+            let r: i64 = unsafe {
+                match *op {
+                    IoOp::Readv {
+                        offset,
+                        iov,
+                        iovcnt,
+                    } => libc::preadv2(fd, iov, iovcnt as i32, offset as i64, 0) as i64,
+                    IoOp::Writev {
+                        offset,
+                        iov,
+                        iovcnt,
+                        dsync,
+                    } => libc::pwritev2(
+                        fd,
+                        iov,
+                        iovcnt as i32,
+                        offset as i64,
+                        if dsync { libc::RWF_DSYNC } else { 0 },
+                    ) as i64,
+                    IoOp::Flush => libc::fdatasync(fd) as i64,
+                    IoOp::Fallocate {
+                        offset, len, mode, ..
+                    } => libc::fallocate(fd, mode, offset as i64, len as i64) as i64,
+                }
+            };
+            if r >= 0 {
+                return r.min(i64::from(i32::MAX)) as i32;
+            }
+            let errno = io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO);
+            if errno != libc::EINTR {
+                return -errno;
+            }
+        }
+    }
+}
+
+impl QueueIo for InlineQueue {
+    unsafe fn push(&mut self, op: &IoOp, token: u64) -> bool {
+        if self.pending.len() >= self.depth {
+            return false;
+        }
+        self.pending.push((Pending(*op), token));
+        true
+    }
+
+    fn submit(&mut self) -> io::Result<()> {
+        let pending = std::mem::take(&mut self.pending);
+        for (op, token) in &pending {
+            let r = self.run(&op.0);
+            self.ready.push((*token, r));
+        }
+        self.pending = pending;
+        self.pending.clear();
+        Ok(())
+    }
+
+    fn completion_fd(&self) -> RawFd {
+        self.idle.as_raw_fd()
+    }
+
+    fn has_completions(&mut self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    fn reap(&mut self, out: &mut Vec<(u64, i32)>) {
+        out.append(&mut self.ready);
     }
 }
 

@@ -7,8 +7,9 @@ use clap::{Args, ValueEnum};
 use thiserror::Error;
 use tracing::info;
 
+use crate::drive::DEFAULT_POLL_US;
 use crate::drive::{DiscardMode, Drive, DriveConfig};
-use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig};
+use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
 use crate::nbd::{NbdEngine, NbdError};
 use crate::vhost::{ServeError, Server, ShutdownHandle};
 
@@ -62,10 +63,33 @@ pub struct ServeArgs {
     /// What DISCARD does: punch a hole in the image, or nothing.
     #[arg(long, value_enum, default_value_t = DiscardArg::Unmap)]
     pub discard: DiscardArg,
-    /// Busy-poll each queue for this many microseconds before sleeping (0: off). Lowers
-    /// latency at low queue depth; costs a spinning core per busy queue.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    /// Most microseconds a queue busy-polls before sleeping (0: never). Adaptive, like QEMU's
+    /// poll-max-ns: a queue whose requests come close together polls (no wake-up latency),
+    /// an idle one sleeps and costs nothing.
+    #[arg(long, default_value_t = DEFAULT_POLL_US, value_parser = clap::value_parser!(u32).range(0..=100_000))]
     pub poll_us: u32,
+    /// How requests reach the image: auto (inline for files in memory, tmpfs and the like;
+    /// io_uring otherwise), io_uring, or inline (preadv2/pwritev2 on the queue's thread).
+    #[arg(long, value_enum, default_value_t = IoArg::Auto)]
+    pub io: IoArg,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum IoArg {
+    Auto,
+    #[value(name = "io_uring")]
+    IoUring,
+    Inline,
+}
+
+impl From<IoArg> for IoMode {
+    fn from(a: IoArg) -> Self {
+        match a {
+            IoArg::Auto => IoMode::Auto,
+            IoArg::IoUring => IoMode::Uring,
+            IoArg::Inline => IoMode::Inline,
+        }
+    }
 }
 
 fn parse_queue_size(s: &str) -> Result<u16, String> {
@@ -128,6 +152,7 @@ impl ServeArgs {
                             direct: self.direct == OnOff::On,
                             logical_block_size: self.logical_block_size,
                             lock: true,
+                            io: self.io.into(),
                         },
                         std::time::Duration::from_secs(2),
                     )?;

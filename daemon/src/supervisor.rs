@@ -32,8 +32,10 @@ use tokio::task::block_in_place;
 use tracing::{debug, info, warn};
 
 use crate::control::{check_id, DriveSpec, ErrorKind, ThrottleLimits};
-use crate::drive::{lock, DiscardMode, Drive, DriveConfig, HeldEngine, LatencyHistogram};
-use crate::engine::{image_size, Engine, EngineError, FileEngine, FileEngineConfig};
+use crate::drive::{
+    lock, DiscardMode, Drive, DriveConfig, HeldEngine, LatencyHistogram, DEFAULT_POLL_US,
+};
+use crate::engine::{image_size, Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
 use crate::nbd::{NbdEngine, NbdError, NbdStats};
 use crate::vhost::{Server, ShutdownHandle};
 
@@ -59,6 +61,8 @@ pub struct Config {
     pub poll_interval_ms: u64,
     /// Iothread of the NBD exports (created if the VM lacks it).
     pub iothread: String,
+    /// Most microseconds a queue busy-polls before sleeping (adaptive; 0: never poll).
+    pub poll_us: u32,
 }
 
 impl Default for Config {
@@ -73,6 +77,7 @@ impl Default for Config {
             attach_timeout_ms: 30_000,
             poll_interval_ms: 1000,
             iothread: "accel-io".into(),
+            poll_us: DEFAULT_POLL_US,
         }
     }
 }
@@ -578,7 +583,7 @@ impl Supervisor {
             } else {
                 DiscardMode::Unmap
             },
-            poll_us: 0,
+            poll_us: self.cfg.poll_us,
         };
         // A drive that was direct before a restart goes on directly at once (its QEMU nodes
         // are still removed); everything else waits for the supervisor.
@@ -606,6 +611,7 @@ impl Supervisor {
                     direct: spec.direct,
                     logical_block_size: spec.logical_block_size,
                     lock: true,
+                    io: IoMode::Auto,
                 };
                 let e = FileEngine::open_waiting(cfg, Duration::from_secs(5))?;
                 (Arc::new(e), EngineKind::Direct)
@@ -1214,6 +1220,7 @@ impl Supervisor {
                     direct: spec.direct,
                     logical_block_size: d.spec.logical_block_size,
                     lock: true,
+                    io: IoMode::Auto,
                 });
                 let e = match opened {
                     Ok(e) if e.size() >= d.drive.config().capacity_bytes => e,

@@ -14,10 +14,10 @@
 
 use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tracing::{debug, error, warn};
 use virtio_queue::{DescriptorChain, Queue, QueueT};
@@ -59,6 +59,8 @@ pub struct QueueCtl {
     index: usize,
     depth: u32,
     wake: EventFd,
+    /// Set with every poke, so that a polling worker sees it without a system call.
+    pending: AtomicBool,
     st: Mutex<CtlState>,
     cv: Condvar,
 }
@@ -85,7 +87,12 @@ impl QueueCtl {
         self.depth
     }
 
+    fn pending(&self) -> bool {
+        self.pending.load(Ordering::Relaxed)
+    }
+
     fn poke(&self) {
+        self.pending.store(true, Ordering::Relaxed);
         if let Err(e) = self.wake.write(1) {
             error!(queue = self.index, "cannot wake worker: {e}");
         }
@@ -191,6 +198,7 @@ pub fn spawn(p: WorkerParams) -> Result<WorkerHandle, WorkerError> {
         index: p.index,
         depth,
         wake: EventFd::new(EFD_NONBLOCK).map_err(WorkerError::Setup)?,
+        pending: AtomicBool::new(false),
         st: Mutex::new(CtlState::default()),
         cv: Condvar::new(),
     });
@@ -299,6 +307,40 @@ impl Slot {
     }
 }
 
+/// How long a worker busy-polls before sleeping, adapted like QEMU's event loop
+/// (`poll-max-ns`, `poll-grow`, `poll-shrink`): a wait that polling would have caught (shorter
+/// than the maximum) doubles the window, starting at 4 µs; a longer wait means the queue went
+/// idle and turns polling off until waits are short again. An idle drive costs nothing, a
+/// steady low-depth stream never sleeps between requests.
+#[derive(Debug)]
+struct AdaptivePoll {
+    max: Duration,
+    window: Duration,
+}
+
+impl AdaptivePoll {
+    const START: Duration = Duration::from_micros(4);
+
+    fn new(max_us: u32) -> Self {
+        AdaptivePoll {
+            max: Duration::from_micros(u64::from(max_us)),
+            window: Duration::ZERO,
+        }
+    }
+
+    /// After a sleep: `waited` is the time from when polling started to the wake-up.
+    fn adapt(&mut self, waited: Duration) {
+        if self.max.is_zero() || waited <= self.window {
+            return;
+        }
+        if waited > self.max {
+            self.window = Duration::ZERO;
+        } else if self.window < self.max {
+            self.window = (self.window * 2).max(Self::START).min(self.max);
+        }
+    }
+}
+
 /// A fixed set of aligned buffers, allocated on first use.
 struct BouncePool {
     bufs: Vec<Vec<u8>>,
@@ -348,7 +390,9 @@ struct Worker {
     /// Stopped popping because no slot was free.
     starved: bool,
     used_added: bool,
-    poll_us: u32,
+    poll: AdaptivePoll,
+    /// Inside `poll`: guest notifications stay off.
+    polling: bool,
 }
 
 impl Worker {
@@ -361,7 +405,7 @@ impl Worker {
     ) -> Self {
         let n = usize::from(p.queue.size()).max(1);
         let id = virtio_blk::id_bytes(&p.drive.config().serial);
-        let poll_us = p.drive.config().poll_us;
+        let poll = AdaptivePoll::new(p.drive.config().poll_us);
         let paused = lock(&ctl.st).pause;
         Worker {
             index: p.index,
@@ -390,7 +434,8 @@ impl Worker {
             acked: false,
             starved: false,
             used_added: false,
-            poll_us,
+            poll,
+            polling: false,
         }
     }
 
@@ -409,8 +454,10 @@ impl Worker {
             if self.stopping && self.in_flight == 0 {
                 return;
             }
-            if self.poll_us > 0 && !self.paused && !self.stopping {
-                self.poll();
+            let waiting_since = Instant::now();
+            if !self.poll.window.is_zero() && !self.paused && !self.stopping && self.poll() {
+                // Work came within the window: go on polling.
+                continue;
             }
             let n = match self.epoll.wait(-1, &mut events) {
                 Ok(n) => n,
@@ -420,6 +467,7 @@ impl Worker {
                     return;
                 }
             };
+            self.poll.adapt(waiting_since.elapsed());
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_KICK => {
@@ -438,49 +486,50 @@ impl Worker {
         }
     }
 
-    /// Busy-polls the avail ring and the engine's completions until `poll_us` pass with
-    /// nothing to do; saves the sleep/wake-up round trips at low queue depth, at the price of a
-    /// spinning core.
-    fn poll(&mut self) {
-        let window = std::time::Duration::from_micros(u64::from(self.poll_us));
+    /// Busy-polls the avail ring and the engine's completions for up to the current window,
+    /// with guest notifications (kicks) off, handling whatever it finds in batches: every
+    /// request available at once, then one submission, one reap of every completion, one
+    /// call. Returns whether it found work (the caller polls again) or not (the caller
+    /// sleeps; notifications are on again and the ring was checked once more).
+    fn poll(&mut self) -> bool {
         let mem = self.memory();
-        let mut idle_since = Instant::now();
+        let t0 = Instant::now();
         let mut spins = 0u32;
-        while idle_since.elapsed() < window {
+        self.polling = true;
+        let found = loop {
             let mut busy = false;
             if self.io.has_completions() {
                 self.reap();
                 busy = true;
             }
-            let avail = self
-                .queue
-                .avail_idx(&*mem, std::sync::atomic::Ordering::Acquire)
-                .map(|a| a.0);
-            if avail.is_ok_and(|a| a != self.queue.next_avail()) && !self.free.is_empty() {
+            if !self.free.is_empty() && self.avail_pending(&mem) {
                 self.process_avail();
                 busy = true;
             }
             if busy {
                 self.notify();
-                idle_since = Instant::now();
+                break true;
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && self.ctl_pending() {
-                return;
+            if spins % 32 == 0 && (self.ctl.pending() || t0.elapsed() >= self.poll.window) {
+                break false;
             }
             std::hint::spin_loop();
+        };
+        self.polling = false;
+        if !found {
+            // Back to sleeping: notifications on, and whatever came in meanwhile is handled.
+            self.process_avail();
+            self.notify();
         }
+        found
     }
 
-    /// Whether the control eventfd has something (checked while polling).
-    fn ctl_pending(&self) -> bool {
-        let mut pfd = libc::pollfd {
-            fd: self.ctl.wake.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd, zero timeout.
-        unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
+    /// Whether the driver has made requests available that were not popped yet.
+    fn avail_pending(&self, mem: &Mem) -> bool {
+        self.queue
+            .avail_idx(mem, Ordering::Acquire)
+            .is_ok_and(|a| a.0 != self.queue.next_avail())
     }
 
     fn finish(self) -> Queue {
@@ -493,6 +542,7 @@ impl Worker {
     }
 
     fn control(&mut self) {
+        self.ctl.pending.store(false, Ordering::Relaxed);
         let mut st = lock(&self.ctl.st);
         if st.stop {
             self.stopping = true;
@@ -537,7 +587,8 @@ impl Worker {
         lock(&self.mem).clone()
     }
 
-    /// Pops every available request (while slots are free), starts them, submits once.
+    /// Pops every available request (while slots are free), starts them, submits once per
+    /// pass. Leaves guest notifications on (unless polling), after checking the ring again.
     fn process_avail(&mut self) {
         if self.paused || self.stopping {
             return;
@@ -548,32 +599,50 @@ impl Worker {
             if let Err(e) = self.queue.disable_notification(&*mem) {
                 warn!(queue = self.index, "disable_notification: {e}");
             }
+            let mut emptied = false;
             while !self.free.is_empty() {
                 let Some(chain) = self.queue.pop_descriptor_chain(&*mem) else {
+                    emptied = true;
                     break;
                 };
                 self.start_request(chain, &mem);
             }
-            if self.free.is_empty() {
-                // Resumed from `reap` once a slot frees; the ring keeps the rest.
-                self.starved = true;
-                break;
+            self.submit();
+            if !emptied {
+                if self.free.is_empty() {
+                    // Resumed from `reap` once a slot frees; the ring keeps the rest.
+                    self.starved = true;
+                    return;
+                }
+                // Inline completions freed slots: pop on.
+                continue;
+            }
+            if self.polling {
+                return;
             }
             match self.queue.enable_notification(&*mem) {
                 Ok(true) => continue,
-                Ok(false) => break,
+                Ok(false) => return,
                 Err(e) => {
                     warn!(queue = self.index, "enable_notification: {e}");
-                    break;
+                    return;
                 }
             }
         }
-        self.submit();
     }
 
+    /// Sends what was pushed. Completions the engine already has (inline I/O, or io_uring
+    /// operations that completed while being submitted) are handled at once, and whatever
+    /// they push (a short transfer's rest, the next bounce chunk) is sent too.
     fn submit(&mut self) {
-        if let Err(e) = self.io.submit() {
-            error!(queue = self.index, "engine submit failed: {e}");
+        loop {
+            if let Err(e) = self.io.submit() {
+                error!(queue = self.index, "engine submit failed: {e}");
+            }
+            if !self.io.has_completions() {
+                return;
+            }
+            self.reap_ready();
         }
     }
 
@@ -819,7 +888,18 @@ impl Worker {
         self.push(idx, op);
     }
 
+    /// Handles every completion (the engine's fd was readable, or polling saw some), then
+    /// submits and pops what was waiting for a free slot.
     fn reap(&mut self) {
+        self.reap_ready();
+        self.submit();
+        if self.starved {
+            self.process_avail();
+        }
+    }
+
+    /// Handles the completions the engine has now, without submitting.
+    fn reap_ready(&mut self) {
         let mut done = std::mem::take(&mut self.completions);
         done.clear();
         self.io.reap(&mut done);
@@ -832,10 +912,6 @@ impl Worker {
             self.on_completion(idx, res);
         }
         self.completions = done;
-        self.submit();
-        if self.starved {
-            self.process_avail();
-        }
     }
 
     fn on_completion(&mut self, idx: usize, res: i32) {
@@ -1094,6 +1170,26 @@ fn walk_segs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn poll_window_grows_on_short_waits_and_stops_on_long_ones() {
+        let us = Duration::from_micros;
+        let mut p = AdaptivePoll::new(32);
+        assert_eq!(p.window, Duration::ZERO, "no polling before any traffic");
+        p.adapt(us(20));
+        assert_eq!(p.window, us(4));
+        for _ in 0..10 {
+            p.adapt(us(31));
+        }
+        assert_eq!(p.window, us(32), "capped at the maximum");
+        p.adapt(us(10));
+        assert_eq!(p.window, us(32), "a wait polling covers changes nothing");
+        p.adapt(us(500));
+        assert_eq!(p.window, Duration::ZERO, "an idle queue sleeps");
+        let mut off = AdaptivePoll::new(0);
+        off.adapt(us(1));
+        assert_eq!(off.window, Duration::ZERO, "0 turns polling off");
+    }
 
     #[test]
     fn walk_segs_skips_and_splits() {

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use acceld::engine::{Engine, EngineError, FileEngine, FileEngineConfig};
+use acceld::engine::{Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
 
 fn cfg(path: &std::path::Path) -> FileEngineConfig {
     FileEngineConfig {
@@ -12,6 +12,7 @@ fn cfg(path: &std::path::Path) -> FileEngineConfig {
         direct: false,
         logical_block_size: 512,
         lock: true,
+        io: IoMode::Auto,
     }
 }
 

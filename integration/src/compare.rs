@@ -41,6 +41,9 @@ pub struct CompareOpts {
     /// The accel-bench binary (default: next to this program).
     #[arg(long)]
     pub bench: Option<PathBuf>,
+    /// Extra arguments for `acceld serve`, e.g. `--acceld-arg=--io=io_uring`.
+    #[arg(long = "acceld-arg", allow_hyphen_values = true)]
+    pub acceld_args: Vec<String>,
 }
 
 /// One measurement.
@@ -48,8 +51,19 @@ pub struct CompareOpts {
 struct Sample {
     iops: f64,
     p99_us: f64,
-    /// Requests per CPU-second of the server (for fio: of fio itself).
+    /// Requests per CPU-second of the server (for fio: of fio itself, with its kernel
+    /// worker threads).
     per_cpu: f64,
+}
+
+/// CPU seconds (user + system) of this process's waited-for children so far.
+fn children_cpu() -> f64 {
+    // SAFETY: rusage is plain old data; all-zero is a valid value.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: ru is a valid rusage buffer that outlives the call.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    t(ru.ru_utime) + t(ru.ru_stime)
 }
 
 struct Kill(Child);
@@ -85,17 +99,16 @@ fn prepare_image(o: &CompareOpts) -> Result<()> {
     Ok(())
 }
 
-fn fio(o: &CompareOpts, rw: &str, depth: usize, jobs: usize) -> Result<Sample> {
+/// fio on the server's core: `engine` io_uring (the ceiling) or pvsync2 (one
+/// synchronous request at a time per job, whatever the depth).
+fn fio(o: &CompareOpts, engine: &str, rw: &str, depth: usize, jobs: usize) -> Result<Sample> {
+    let depth = if engine == "io_uring" { depth } else { 1 };
+    let cpu0 = children_cpu();
     let out = Command::new("taskset")
         .arg("-c")
         .arg(o.server_cpu.to_string())
-        .args([
-            "fio",
-            "--name=bare",
-            "--ioengine=io_uring",
-            "--direct=1",
-            "--bs=4k",
-        ])
+        .args(["fio", "--name=bare", "--direct=1", "--bs=4k", "--thread"])
+        .arg(format!("--ioengine={engine}"))
         .arg(format!("--rw={rw}"))
         .arg(format!("--iodepth={depth}"))
         .arg(format!("--numjobs={jobs}"))
@@ -116,9 +129,9 @@ fn fio(o: &CompareOpts, rw: &str, depth: usize, jobs: usize) -> Result<Sample> {
         .unwrap_or(0.0)
         / 1000.0;
     let runtime = job[dir]["runtime"].as_f64().unwrap_or(1000.0) / 1000.0;
-    let cpu = (job["usr_cpu"].as_f64().unwrap_or(0.0) + job["sys_cpu"].as_f64().unwrap_or(0.0))
-        / 100.0
-        * runtime;
+    // fio's own usr_cpu/sys_cpu leave out the io_uring worker threads that do the copies on
+    // tmpfs; the kernel's accounting of the whole child (threads included) does not.
+    let cpu = children_cpu() - cpu0;
     Ok(Sample {
         iops,
         p99_us: p99,
@@ -195,6 +208,7 @@ fn acceld(o: &CompareOpts, sock: &Path, queues: usize) -> Result<Kill> {
         .arg("--socket")
         .arg(sock)
         .arg(format!("--queues={queues}"))
+        .args(&o.acceld_args)
         .env("ACCELD_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -219,6 +233,7 @@ fn median(v: &mut [f64]) -> (f64, f64) {
 struct Cell {
     name: String,
     fio: Vec<Sample>,
+    fio_sync: Vec<Sample>,
     qsd: Vec<Sample>,
     acc: Vec<Sample>,
 }
@@ -234,11 +249,13 @@ pub fn compare(o: &CompareOpts) -> Result<()> {
                 let mut c = Cell {
                     name: format!("{rw} QD{d} q{q}"),
                     fio: vec![],
+                    fio_sync: vec![],
                     qsd: vec![],
                     acc: vec![],
                 };
                 for _ in 0..o.runs {
-                    c.fio.push(fio(o, rw, d, q)?);
+                    c.fio.push(fio(o, "io_uring", rw, d, q)?);
+                    c.fio_sync.push(fio(o, "pvsync2", rw, d, q)?);
                     {
                         let s = qsd(o, &sock, q)?;
                         c.qsd.push(client(o, &sock, s.pid(), rw, d, q)?);
@@ -254,22 +271,28 @@ pub fn compare(o: &CompareOpts) -> Result<()> {
         }
     }
     println!(
-        "median of {} runs x {:.0} s, 4 KiB, {} MiB file {}; server/fio on CPU {}, client on CPU {}; (spread = (max-min)/median)\n",
+        "median of {} runs x {:.0} s, 4 KiB, {} MiB file {}; server/fio on CPU {}, client on CPU {}; acceld {}; (spread = (max-min)/median)\n",
         o.runs,
         o.seconds,
         o.size_mib,
         o.image.display(),
         o.server_cpu,
-        o.client_cpu
+        o.client_cpu,
+        if o.acceld_args.is_empty() {
+            "with default options".to_string()
+        } else {
+            o.acceld_args.join(" ")
+        }
     );
-    println!("| cell | fio IOPS | qsd IOPS | acceld IOPS | acceld/fio | acceld/qsd | p99 µs fio / qsd / acceld | IOPS per CPU-s fio / qsd / acceld | acceld/qsd per CPU |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| cell | fio io_uring IOPS | fio sync IOPS | qsd IOPS | acceld IOPS | acceld/fio io_uring | acceld/best fio | acceld/qsd | p99 µs fio / qsd / acceld | IOPS per CPU-s fio / qsd / acceld | acceld/qsd per CPU |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for c in &cells {
         let col = |v: &[Sample], f: fn(&Sample) -> f64| {
             let mut x: Vec<f64> = v.iter().map(f).collect();
             median(&mut x)
         };
         let (fi, fis) = col(&c.fio, |s| s.iops);
+        let (si, sis) = col(&c.fio_sync, |s| s.iops);
         let (qi, qis) = col(&c.qsd, |s| s.iops);
         let (ai, ais) = col(&c.acc, |s| s.iops);
         let (fp, _) = col(&c.fio, |s| s.p99_us);
@@ -279,15 +302,18 @@ pub fn compare(o: &CompareOpts) -> Result<()> {
         let (qc, _) = col(&c.qsd, |s| s.per_cpu);
         let (ac, _) = col(&c.acc, |s| s.per_cpu);
         println!(
-            "| {} | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.2} | {:.2} | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.2} |",
+            "| {} | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.2} | {:.2} | {:.2} | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.2} |",
             c.name,
             fi,
             fis / 2.0,
+            si,
+            sis / 2.0,
             qi,
             qis / 2.0,
             ai,
             ais / 2.0,
             ai / fi.max(1.0),
+            ai / fi.max(si).max(1.0),
             ai / qi.max(1.0),
             fp,
             qp,

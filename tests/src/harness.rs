@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use acceld::drive::{DiscardMode, Drive, DriveConfig};
-use acceld::engine::{Engine, FileEngine, FileEngineConfig};
+use acceld::engine::{Engine, FileEngine, FileEngineConfig, IoMode};
 use acceld::vhost::{Server, ShutdownHandle};
 
 pub struct ServerOptions {
@@ -16,6 +16,41 @@ pub struct ServerOptions {
     pub serial: String,
     pub logical_block_size: u32,
     pub discard: DiscardMode,
+    /// The file engine's I/O mode.
+    pub io: IoMode,
+    /// Most microseconds each queue busy-polls (0: never).
+    pub poll_us: u32,
+}
+
+impl ServerOptions {
+    /// The ways the file engine can run, for tests that must hold for each: io_uring and
+    /// inline I/O, each sleeping between events, and inline I/O with adaptive polling.
+    pub fn modes() -> [(&'static str, ServerOptions); 3] {
+        [
+            (
+                "io_uring",
+                ServerOptions {
+                    io: IoMode::Uring,
+                    ..Default::default()
+                },
+            ),
+            (
+                "inline",
+                ServerOptions {
+                    io: IoMode::Inline,
+                    ..Default::default()
+                },
+            ),
+            (
+                "inline+poll",
+                ServerOptions {
+                    io: IoMode::Inline,
+                    poll_us: 50,
+                    ..Default::default()
+                },
+            ),
+        ]
+    }
 }
 
 impl Default for ServerOptions {
@@ -28,6 +63,8 @@ impl Default for ServerOptions {
             serial: "accel-test-serial".into(),
             logical_block_size: 512,
             discard: DiscardMode::Unmap,
+            io: IoMode::Uring,
+            poll_us: 0,
         }
     }
 }
@@ -49,6 +86,7 @@ pub fn file_engine(image: &Path, o: &ServerOptions) -> Arc<FileEngine> {
             direct: o.direct,
             logical_block_size: o.logical_block_size,
             lock: false,
+            io: o.io,
         })
         .expect("open image"),
     )
@@ -95,7 +133,7 @@ impl TestServer {
             num_queues: o.queues,
             queue_size: 1024,
             discard: o.discard,
-            poll_us: 0,
+            poll_us: o.poll_us,
         };
         let drive = Drive::new(cfg, engine);
         let mut server = Server::bind(&socket, drive.clone()).expect("bind");

@@ -49,7 +49,14 @@ fn handshake_reports_features_and_config() {
 
 #[test]
 fn every_request_type() {
-    let s = TestServer::start(ServerOptions::default());
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        every_request_type_on(base);
+    }
+}
+
+fn every_request_type_on(base: ServerOptions) {
+    let s = TestServer::start(base);
     let mut fe = connect(&s, 1);
     let data = patterned(4096, 7, 8192);
     assert_eq!(fe.request(0, T_OUT, 8, &data, 0).unwrap().0, S_OK);
@@ -99,9 +106,16 @@ fn every_request_type() {
 
 #[test]
 fn discard_ignore_keeps_data() {
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        discard_ignore_keeps_data_on(base);
+    }
+}
+
+fn discard_ignore_keeps_data_on(base: ServerOptions) {
     let s = TestServer::start(ServerOptions {
         discard: DiscardMode::Ignore,
-        ..Default::default()
+        ..base
     });
     let mut fe = connect(&s, 1);
     let data = patterned(0, 3, 4096);
@@ -113,9 +127,16 @@ fn discard_ignore_keeps_data() {
 
 #[test]
 fn read_only_disk_refuses_writes() {
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        read_only_disk_refuses_writes_on(base);
+    }
+}
+
+fn read_only_disk_refuses_writes_on(base: ServerOptions) {
     let s = TestServer::start(ServerOptions {
         read_only: true,
-        ..Default::default()
+        ..base
     });
     let mut fe = connect(&s, 1);
     assert_ne!(
@@ -136,7 +157,14 @@ fn read_only_disk_refuses_writes() {
 
 #[test]
 fn any_descriptor_layout() {
-    let s = TestServer::start(ServerOptions::default());
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        any_descriptor_layout_on(base);
+    }
+}
+
+fn any_descriptor_layout_on(base: ServerOptions) {
+    let s = TestServer::start(base);
     let mut fe = connect(&s, 1);
     let sl = fe.slot(0, 1);
     let data = patterned(512 * 100, 11, 4096);
@@ -179,7 +207,14 @@ fn any_descriptor_layout() {
 
 #[test]
 fn unaligned_buffers_go_through_the_bounce_pool() {
-    let s = TestServer::start(ServerOptions::default());
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        unaligned_buffers_go_through_the_bounce_pool_on(base);
+    }
+}
+
+fn unaligned_buffers_go_through_the_bounce_pool_on(base: ServerOptions) {
+    let s = TestServer::start(base);
     let mut fe = BlkFrontend::connect(
         &s.socket,
         FrontendOptions {
@@ -222,7 +257,14 @@ fn unaligned_buffers_go_through_the_bounce_pool() {
 
 #[test]
 fn hostile_requests_get_a_status_and_the_server_survives() {
-    let s = TestServer::start(ServerOptions::default());
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        hostile_requests_get_a_status_and_the_server_survives_on(base);
+    }
+}
+
+fn hostile_requests_get_a_status_and_the_server_survives_on(base: ServerOptions) {
+    let s = TestServer::start(base);
     let mut fe = connect(&s, 1);
     let cap = fe.negotiated.capacity_sectors();
     let sl = fe.slot(0, 3);
@@ -295,7 +337,14 @@ fn hostile_requests_get_a_status_and_the_server_survives() {
 
 #[test]
 fn descriptor_loop_is_cut() {
-    let s = TestServer::start(ServerOptions::default());
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        descriptor_loop_is_cut_on(base);
+    }
+}
+
+fn descriptor_loop_is_cut_on(base: ServerOptions) {
+    let s = TestServer::start(base);
     let mut fe = connect(&s, 1);
     let sl = fe.slot(0, 4);
     fe.mem.write(sl.header, &header(T_IN, 0));
@@ -322,10 +371,14 @@ fn descriptor_loop_is_cut() {
 
 #[test]
 fn two_queues_in_parallel() {
-    let s = TestServer::start(ServerOptions {
-        queues: 2,
-        ..Default::default()
-    });
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        two_queues_in_parallel_on(base);
+    }
+}
+
+fn two_queues_in_parallel_on(base: ServerOptions) {
+    let s = TestServer::start(ServerOptions { queues: 2, ..base });
     let mut fe = connect(&s, 2);
     for q in 0..2 {
         let data = patterned(q as u64 * 8192, 9, 8192);
@@ -342,10 +395,14 @@ fn two_queues_in_parallel() {
 
 #[test]
 fn reconnect_ten_times_with_fresh_state() {
-    let s = TestServer::start(ServerOptions {
-        queues: 2,
-        ..Default::default()
-    });
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        reconnect_ten_times_with_fresh_state_on(base);
+    }
+}
+
+fn reconnect_ten_times_with_fresh_state_on(base: ServerOptions) {
+    let s = TestServer::start(ServerOptions { queues: 2, ..base });
     for round in 0..10u64 {
         let mut fe = connect(&s, 2);
         let q = (round % 2) as usize;
@@ -369,7 +426,14 @@ fn reconnect_ten_times_with_fresh_state() {
 /// nothing lost).
 #[test]
 fn get_vring_base_waits_for_in_flight_requests() {
-    let s = TestServer::start(ServerOptions::default());
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        get_vring_base_waits_for_in_flight_requests_on(base);
+    }
+}
+
+fn get_vring_base_waits_for_in_flight_requests_on(base: ServerOptions) {
+    let s = TestServer::start(base);
     let mut fe = BlkFrontend::connect(
         &s.socket,
         FrontendOptions {

@@ -8,27 +8,39 @@ use std::time::Duration;
 use accel_tests::harness::{file_engine, ServerOptions, TestServer};
 use accel_tests::load::{fill_image, run_load, LoadSpec};
 use accel_tests::{BlkFrontend, FrontendOptions};
-use acceld::engine::Engine;
+use acceld::engine::{Engine, IoMode};
 
 #[test]
 fn hundred_switches_under_qd32_verified_load() {
+    // The workers poll (adaptively) and the switches alternate between the two I/O modes
+    // of the file engine, so a drain also catches a polling worker, and a queue moves between
+    // io_uring and inline I/O with requests waiting.
     let opts = ServerOptions {
         queues: 2,
         size: 32 << 20,
+        poll_us: 50,
+        io: IoMode::Uring,
+        ..Default::default()
+    };
+    let inline = ServerOptions {
+        io: IoMode::Inline,
         ..Default::default()
     };
     let s = TestServer::start(ServerOptions {
         queues: 2,
         size: 32 << 20,
+        poll_us: 50,
+        io: IoMode::Uring,
         ..Default::default()
     });
     let bs = 4096u64;
     let blocks = (32 << 20) / bs;
     fill_image(&s.image, blocks * bs, 1).unwrap();
-    // Two instances of the file engine on the same image: a switch moves every queue from
-    // one ring set to the other.
+    // Two instances of the file engine on the same image, one per I/O mode: a switch moves
+    // every queue from one to the other.
     let a: Arc<dyn Engine> = file_engine(&s.image, &opts);
-    let b: Arc<dyn Engine> = file_engine(&s.image, &opts);
+    let b: Arc<dyn Engine> = file_engine(&s.image, &inline);
+    assert_eq!((a.name(), b.name()), ("io_uring", "inline"));
     let mut fe = BlkFrontend::connect(
         &s.socket,
         FrontendOptions {
