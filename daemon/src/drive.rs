@@ -176,8 +176,10 @@ pub struct Drive {
     /// always starts on the current engine (or paused) and a switch sees every running worker.
     attach_lock: Mutex<()>,
     running: Mutex<Vec<Arc<QueueCtl>>>,
-    /// Write cache enabled (config space `writeback`, set by the driver with CONFIG_WCE). When
-    /// false, every write is write-through.
+    /// Write cache enabled (config space `writeback`). On at start, as QEMU's own virtio-blk
+    /// device shows it with its default cache modes: the driver flushes when it needs data
+    /// durable. Off when the driver did not negotiate FLUSH (it could not flush), or when it
+    /// writes 0 (CONFIG_WCE); then every write is write-through (RWF_DSYNC / NBD FUA).
     writeback: AtomicBool,
     pub stats: DriveStats,
     pub drain_timeout: Duration,
@@ -185,6 +187,7 @@ pub struct Drive {
 
 impl Drive {
     pub fn new(cfg: DriveConfig, engine: Arc<dyn Engine>) -> Arc<Self> {
+        let writeback = !cfg.read_only;
         Arc::new(Drive {
             cfg,
             engine: Mutex::new(EngineSlot {
@@ -195,7 +198,7 @@ impl Drive {
             switching: AtomicBool::new(false),
             attach_lock: Mutex::new(()),
             running: Mutex::new(Vec::new()),
-            writeback: AtomicBool::new(false),
+            writeback: AtomicBool::new(writeback),
             stats: DriveStats::default(),
             drain_timeout: Duration::from_secs(30),
         })

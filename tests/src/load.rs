@@ -19,7 +19,8 @@ pub struct LoadSpec {
     /// Stop after this many requests in all (or at `duration`).
     pub requests: Option<u64>,
     pub duration: Option<Duration>,
-    /// Check every read against the model.
+    /// Write patterned data and check every read against the model. Off: writes send whatever
+    /// their slot holds, and the final model means nothing.
     pub verify: bool,
     /// Seed the initial content was written with (see [`fill_image`]).
     pub initial_seed: u64,
@@ -291,8 +292,13 @@ pub fn run_load(fe: &mut BlkFrontend, spec: &LoadSpec) -> Result<LoadReport, Fro
                 let s = fe.slot(q, tag);
                 let seed = if write {
                     seed_counter += 1;
-                    pattern(disk_off, seed_counter, &mut buf);
-                    fe.mem.write(s.data, &buf);
+                    // Without verification the data is whatever the slot holds (like fio's
+                    // default of not refilling buffers): the client's own cost stays out of
+                    // the server's numbers.
+                    if spec.verify {
+                        pattern(disk_off, seed_counter, &mut buf);
+                        fe.mem.write(s.data, &buf);
+                    }
                     seed_counter
                 } else {
                     0

@@ -479,3 +479,27 @@ fn get_vring_base_waits_for_in_flight_requests_on(base: ServerOptions) {
         .load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(done, u64::from(base));
 }
+
+/// The write cache (config `writeback`): on for a driver that negotiated FLUSH; the driver can
+/// turn it off (CONFIG_WCE) and then every write is write-through; data goes on either way.
+#[test]
+fn write_cache_follows_the_driver() {
+    use vhost::vhost_user::message::VhostUserConfigFlags;
+    use vhost::vhost_user::VhostUserFrontend as _;
+    let s = TestServer::start(ServerOptions::default());
+    let mut fe = connect(&s, 1);
+    assert_eq!(fe.negotiated.config[32], 1, "writeback shown on");
+    assert!(s.drive.writeback());
+    fe.frontend()
+        .set_config(32, VhostUserConfigFlags::WRITABLE, &[0])
+        .unwrap();
+    let (_, cfg) = fe
+        .frontend()
+        .get_config(0, 60, VhostUserConfigFlags::empty(), &[0u8; 60])
+        .unwrap();
+    assert_eq!(cfg[32], 0, "the driver's choice shows");
+    assert!(!s.drive.writeback(), "writes are now write-through");
+    let data = patterned(0, 5, 4096);
+    assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
+    assert_eq!(fe.request(0, T_IN, 0, &[], 4096).unwrap().1, data);
+}

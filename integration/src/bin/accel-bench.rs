@@ -182,7 +182,8 @@ fn run(a: Args) -> Result<()> {
                 write_pct: 100,
                 sequential: true,
                 single_pass: true,
-                verify: false,
+                // Writes carry the pattern only when verifying.
+                verify: true,
                 rng_seed: 0x5eed,
                 ..base.clone()
             },
