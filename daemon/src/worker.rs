@@ -50,6 +50,14 @@ const BOUNCE_BUFS: usize = 8;
 const BOUNCE_SIZE: usize = 256 * 1024;
 const BOUNCE_ALIGN: usize = 4096;
 
+/// Most requests one `process_avail` pops before the worker notifies the driver and checks
+/// its other events.
+const BATCH_BUDGET: usize = 64;
+/// A queue that ran this long without sleeping yields the CPU once (see `Worker::share_cpu`).
+const YIELD_AFTER: Duration = Duration::from_micros(50);
+/// An epoll wait at least this long is taken as a sleep (the CPU was given up).
+const SLEPT: Duration = Duration::from_micros(5);
+
 const TOKEN_KICK: u64 = 0;
 const TOKEN_IO: u64 = 1;
 const TOKEN_CTL: u64 = 2;
@@ -393,6 +401,10 @@ struct Worker {
     poll: AdaptivePoll,
     /// Inside `poll`: guest notifications stay off.
     polling: bool,
+    /// Since when this worker has run without sleeping or yielding.
+    on_cpu_since: Instant,
+    /// `process_avail` stopped at its budget with requests left in the ring.
+    backlog: bool,
 }
 
 impl Worker {
@@ -436,6 +448,8 @@ impl Worker {
             used_added: false,
             poll,
             polling: false,
+            on_cpu_since: Instant::now(),
+            backlog: false,
         }
     }
 
@@ -455,10 +469,17 @@ impl Worker {
                 return;
             }
             let waiting_since = Instant::now();
+            self.share_cpu(waiting_since);
+            if self.backlog && !self.paused && !self.stopping {
+                self.process_avail();
+                self.notify();
+                continue;
+            }
             if !self.poll.window.is_zero() && !self.paused && !self.stopping && self.poll() {
                 // Work came within the window: go on polling.
                 continue;
             }
+            let before_wait = Instant::now();
             let n = match self.epoll.wait(-1, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -467,7 +488,11 @@ impl Worker {
                     return;
                 }
             };
-            self.poll.adapt(waiting_since.elapsed());
+            let woke = Instant::now();
+            self.poll.adapt(woke - waiting_since);
+            if woke - before_wait >= SLEPT {
+                self.on_cpu_since = woke;
+            }
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_KICK => {
@@ -511,8 +536,12 @@ impl Worker {
                 break true;
             }
             spins = spins.wrapping_add(1);
-            if spins % 32 == 0 && (self.ctl.pending() || t0.elapsed() >= self.poll.window) {
-                break false;
+            if spins % 32 == 0 {
+                let now = Instant::now();
+                if self.ctl.pending() || now - t0 >= self.poll.window {
+                    break false;
+                }
+                self.share_cpu(now);
             }
             std::hint::spin_loop();
         };
@@ -523,6 +552,17 @@ impl Worker {
             self.notify();
         }
         found
+    }
+
+    /// Lets the other threads of this core run after [`YIELD_AFTER`] on the CPU without a
+    /// sleep. A busy queue (polling, or always finding more work) never sleeps; without this,
+    /// two such queues on one core would take turns of a whole scheduler slice (4 ms of
+    /// latency for the waiting one), and a polling queue would delay any other thread there.
+    fn share_cpu(&mut self, now: Instant) {
+        if now - self.on_cpu_since >= YIELD_AFTER {
+            std::thread::yield_now();
+            self.on_cpu_since = Instant::now();
+        }
     }
 
     /// Whether the driver has made requests available that were not popped yet.
@@ -595,16 +635,19 @@ impl Worker {
         }
         let mem = self.memory();
         self.starved = false;
+        self.backlog = false;
+        let mut budget = BATCH_BUDGET;
         loop {
             if let Err(e) = self.queue.disable_notification(&*mem) {
                 warn!(queue = self.index, "disable_notification: {e}");
             }
             let mut emptied = false;
-            while !self.free.is_empty() {
+            while !self.free.is_empty() && budget > 0 {
                 let Some(chain) = self.queue.pop_descriptor_chain(&*mem) else {
                     emptied = true;
                     break;
                 };
+                budget -= 1;
                 self.start_request(chain, &mem);
             }
             self.submit();
@@ -612,6 +655,13 @@ impl Worker {
                 if self.free.is_empty() {
                     // Resumed from `reap` once a slot frees; the ring keeps the rest.
                     self.starved = true;
+                    return;
+                }
+                if budget == 0 {
+                    // A driver that refills as fast as requests complete (inline I/O) would
+                    // keep this loop going forever: the run loop notifies, lets other
+                    // threads run, and comes back (kicks stay off meanwhile).
+                    self.backlog = true;
                     return;
                 }
                 // Inline completions freed slots: pop on.
