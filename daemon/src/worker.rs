@@ -55,6 +55,9 @@ const BOUNCE_ALIGN: usize = 4096;
 const BATCH_BUDGET: usize = 64;
 /// A queue that ran this long without sleeping yields the CPU once (see `Worker::share_cpu`).
 const YIELD_AFTER: Duration = Duration::from_micros(50);
+/// A polling queue that found nothing for this long yields the CPU (cheap when nobody else
+/// wants it).
+const IDLE_YIELD_AFTER: Duration = Duration::from_micros(4);
 /// An epoll wait at least this long is taken as a sleep (the CPU was given up).
 const SLEPT: Duration = Duration::from_micros(5);
 
@@ -541,7 +544,11 @@ impl Worker {
                 if self.ctl.pending() || now - t0 >= self.poll.window {
                     break false;
                 }
-                self.share_cpu(now);
+                // Idle: another queue's worker on this core may have work; let it in soon.
+                if now - self.on_cpu_since >= IDLE_YIELD_AFTER {
+                    std::thread::yield_now();
+                    self.on_cpu_since = Instant::now();
+                }
             }
             std::hint::spin_loop();
         };
