@@ -2,6 +2,8 @@
 //! model of what each block must hold. Each queue owns its own blocks and never has two
 //! requests on one block at once, so every read has exactly one right answer.
 
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::{check_pattern, pattern, BlkFrontend, Buf, FrontendError, Used, S_OK, T_IN, T_OUT};
@@ -35,9 +37,34 @@ pub struct LoadSpec {
     pub single_pass: bool,
     /// What each block holds at the start (a previous report's `final_model`); default: the
     /// pattern of `initial_seed` everywhere.
-    pub initial_model: Option<std::sync::Arc<Vec<u64>>>,
+    pub initial_model: Option<Arc<Vec<u64>>>,
     /// Stop when this becomes true (in addition to `requests` and `duration`).
-    pub stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    pub stop: Option<Arc<AtomicBool>>,
+}
+
+impl LoadSpec {
+    /// The tests' standard load: 4 KiB random requests, half writes, QD32 on every queue, every
+    /// read verified, over `blocks` blocks that start with the pattern of seed 1 (see
+    /// [`fill_image`]). It runs until `stop` (set `requests` or `duration` otherwise).
+    pub fn verified_mix(blocks: u64, rng_seed: u64, stop: Option<Arc<AtomicBool>>) -> Self {
+        LoadSpec {
+            block_size: 4096,
+            blocks,
+            depth: 32,
+            write_pct: 50,
+            requests: None,
+            duration: Some(Duration::from_secs(300)),
+            verify: true,
+            initial_seed: 1,
+            rng_seed,
+            stop,
+            sequential: false,
+            region_offset: 0,
+            single_pass: false,
+            initial_model: None,
+            poll: false,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default)]

@@ -124,21 +124,10 @@ fn verified_qd32_load_on_two_queues_raw_and_qcow2() {
         let mut fe = connect(&s.server, 2);
         let bs = 4096u64;
         let spec = LoadSpec {
-            block_size: bs as u32,
-            blocks: size / bs,
-            depth: 32,
-            write_pct: 50,
             requests: Some(6000),
             duration: None,
-            verify: true,
             initial_seed: 0,
-            rng_seed: 7,
-            stop: None,
-            sequential: false,
-            region_offset: 0,
-            single_pass: false,
-            initial_model: None,
-            poll: false,
+            ..LoadSpec::verified_mix(size / bs, 7, None)
         };
         // Start from a known image: every block written once, then random mixed I/O.
         let fill = LoadSpec {
@@ -204,23 +193,7 @@ fn switches_between_direct_and_qemu_under_load() {
     });
     let r = run_load(
         &mut fe,
-        &LoadSpec {
-            block_size: bs as u32,
-            blocks: size / bs,
-            depth: 32,
-            write_pct: 50,
-            requests: None,
-            duration: Some(Duration::from_secs(120)),
-            verify: true,
-            initial_seed: 1,
-            rng_seed: 3,
-            stop: Some(done.clone()),
-            sequential: false,
-            region_offset: 0,
-            single_pass: false,
-            initial_model: None,
-            poll: false,
-        },
+        &LoadSpec::verified_mix(size / bs, 3, Some(done.clone())),
     )
     .unwrap();
     let mut pauses = switcher.join().unwrap();

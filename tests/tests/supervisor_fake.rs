@@ -84,23 +84,7 @@ async fn switches_and_rollbacks_under_verified_load() {
         .unwrap();
         let r = run_load(
             &mut fe,
-            &LoadSpec {
-                block_size: 4096,
-                blocks: size / 4096,
-                depth: 32,
-                write_pct: 50,
-                requests: None,
-                duration: Some(Duration::from_secs(300)),
-                verify: true,
-                initial_seed: 1,
-                rng_seed: 11,
-                stop: Some(stop2),
-                sequential: false,
-                region_offset: 0,
-                single_pass: false,
-                initial_model: None,
-                poll: false,
-            },
+            &LoadSpec::verified_mix(size / 4096, 11, Some(stop2)),
         )
         .unwrap();
         drop(fe);

@@ -66,23 +66,7 @@ fn hundred_switches_under_qd32_verified_load() {
         done2.store(true, Ordering::Relaxed);
         pauses
     });
-    let spec = LoadSpec {
-        block_size: bs as u32,
-        blocks,
-        depth: 32,
-        write_pct: 50,
-        requests: None,
-        duration: Some(Duration::from_secs(120)),
-        verify: true,
-        initial_seed: 1,
-        rng_seed: 42,
-        stop: Some(done.clone()),
-        sequential: false,
-        region_offset: 0,
-        single_pass: false,
-        initial_model: None,
-        poll: false,
-    };
+    let spec = LoadSpec::verified_mix(blocks, 42, Some(done.clone()));
     // The load runs for as long as the switcher works.
     let total = run_load(&mut fe, &spec).unwrap();
     assert_eq!(total.errors, 0, "{:?}", total.mismatches);
