@@ -597,8 +597,8 @@ struct Pending(IoOp);
 unsafe impl Send for Pending {}
 
 impl InlineQueue {
-    fn run(&self, op: &IoOp) -> i32 {
-        let fd = self.file.as_raw_fd();
+    /// Runs one operation on `fd` to completion: bytes transferred or -errno.
+    fn run(fd: RawFd, op: &IoOp) -> i32 {
         loop {
             // SAFETY: fd is open; the iovecs and the memory they point to are valid for the
             // operation (the `push` contract).
@@ -650,13 +650,10 @@ impl QueueIo for InlineQueue {
     }
 
     fn submit(&mut self) -> io::Result<()> {
-        let pending = std::mem::take(&mut self.pending);
-        for (op, token) in &pending {
-            let r = self.run(&op.0);
-            self.ready.push((*token, r));
+        let fd = self.file.as_raw_fd();
+        for (op, token) in self.pending.drain(..) {
+            self.ready.push((token, Self::run(fd, &op.0)));
         }
-        self.pending = pending;
-        self.pending.clear();
         Ok(())
     }
 
