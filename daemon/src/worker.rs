@@ -472,7 +472,7 @@ impl Worker {
                 return;
             }
             let waiting_since = Instant::now();
-            self.share_cpu(waiting_since);
+            self.share_cpu(waiting_since, YIELD_AFTER);
             if self.backlog && !self.paused && !self.stopping {
                 self.process_avail();
                 self.notify();
@@ -545,10 +545,7 @@ impl Worker {
                     break false;
                 }
                 // Idle: another queue's worker on this core may have work; let it in soon.
-                if now - self.on_cpu_since >= IDLE_YIELD_AFTER {
-                    std::thread::yield_now();
-                    self.on_cpu_since = Instant::now();
-                }
+                self.share_cpu(now, IDLE_YIELD_AFTER);
             }
             std::hint::spin_loop();
         };
@@ -561,12 +558,13 @@ impl Worker {
         found
     }
 
-    /// Lets the other threads of this core run after [`YIELD_AFTER`] on the CPU without a
-    /// sleep. A busy queue (polling, or always finding more work) never sleeps; without this,
-    /// two such queues on one core would take turns of a whole scheduler slice (4 ms of
+    /// Lets the other threads of this core run once this worker has been `after` on the CPU
+    /// without a sleep ([`YIELD_AFTER`] when working, [`IDLE_YIELD_AFTER`] when only
+    /// spinning). A busy queue (polling, or always finding more work) never sleeps; without
+    /// this, two such queues on one core would take turns of a whole scheduler slice (4 ms of
     /// latency for the waiting one), and a polling queue would delay any other thread there.
-    fn share_cpu(&mut self, now: Instant) {
-        if now - self.on_cpu_since >= YIELD_AFTER {
+    fn share_cpu(&mut self, now: Instant, after: Duration) {
+        if now - self.on_cpu_since >= after {
             std::thread::yield_now();
             self.on_cpu_since = Instant::now();
         }
@@ -788,16 +786,7 @@ impl Worker {
                     return self.complete(idx, S_OK);
                 }
                 let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-                self.slots[idx].stage = Stage::Fallocate(mode);
-                self.push(
-                    idx,
-                    IoOp::Fallocate {
-                        offset,
-                        len,
-                        mode,
-                        zeroes: false,
-                    },
-                );
+                self.push_fallocate(idx, offset, len, mode, false);
             }
             Op::WriteZeroes { offset, len, unmap } => {
                 stats.write_zeroes.fetch_add(1, Ordering::Relaxed);
@@ -809,16 +798,7 @@ impl Worker {
                 } else {
                     libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
                 };
-                self.slots[idx].stage = Stage::Fallocate(mode);
-                self.push(
-                    idx,
-                    IoOp::Fallocate {
-                        offset,
-                        len,
-                        mode,
-                        zeroes: true,
-                    },
-                );
+                self.push_fallocate(idx, offset, len, mode, true);
             }
             Op::Read { len, .. } | Op::Write { len, .. } => {
                 let read = matches!(op, Op::Read { .. });
@@ -888,6 +868,21 @@ impl Worker {
             error!(queue = self.index, "engine queue full");
             self.complete(idx, S_IOERR);
         }
+    }
+
+    /// Submits a slot's fallocate with `mode` (its completion comes back to `on_fallocate`);
+    /// `zeroes`: the range must read as zeroes afterwards.
+    fn push_fallocate(&mut self, idx: usize, offset: u64, len: u64, mode: i32, zeroes: bool) {
+        self.slots[idx].stage = Stage::Fallocate(mode);
+        self.push(
+            idx,
+            IoOp::Fallocate {
+                offset,
+                len,
+                mode,
+                zeroes,
+            },
+        );
     }
 
     fn start_bounce(&mut self, idx: usize) {
@@ -1033,16 +1028,7 @@ impl Worker {
                 let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
                 if mode != punch && !self.engine.is_block_device() {
                     // tmpfs has no ZERO_RANGE; a punched hole of a regular file reads as zeroes.
-                    self.slots[idx].stage = Stage::Fallocate(punch);
-                    self.push(
-                        idx,
-                        IoOp::Fallocate {
-                            offset,
-                            len,
-                            mode: punch,
-                            zeroes: true,
-                        },
-                    );
+                    self.push_fallocate(idx, offset, len, punch, true);
                 } else {
                     // Last resort: write zeroes through the bounce pool.
                     let slot = &mut self.slots[idx];
