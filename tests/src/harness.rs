@@ -51,6 +51,14 @@ impl ServerOptions {
             ),
         ]
     }
+
+    /// Runs `test` once in each of [`ServerOptions::modes`], naming the mode first.
+    pub fn each_mode(test: fn(ServerOptions)) {
+        for (mode, base) in Self::modes() {
+            println!("mode {mode}");
+            test(base);
+        }
+    }
 }
 
 impl Default for ServerOptions {

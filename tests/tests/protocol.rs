@@ -49,10 +49,7 @@ fn handshake_reports_features_and_config() {
 
 #[test]
 fn every_request_type() {
-    for (mode, base) in ServerOptions::modes() {
-        println!("mode {mode}");
-        every_request_type_on(base);
-    }
+    ServerOptions::each_mode(every_request_type_on);
 }
 
 fn every_request_type_on(base: ServerOptions) {
@@ -106,10 +103,7 @@ fn every_request_type_on(base: ServerOptions) {
 
 #[test]
 fn discard_ignore_keeps_data() {
-    for (mode, base) in ServerOptions::modes() {
-        println!("mode {mode}");
-        discard_ignore_keeps_data_on(base);
-    }
+    ServerOptions::each_mode(discard_ignore_keeps_data_on);
 }
 
 fn discard_ignore_keeps_data_on(base: ServerOptions) {
@@ -127,10 +121,7 @@ fn discard_ignore_keeps_data_on(base: ServerOptions) {
 
 #[test]
 fn read_only_disk_refuses_writes() {
-    for (mode, base) in ServerOptions::modes() {
-        println!("mode {mode}");
-        read_only_disk_refuses_writes_on(base);
-    }
+    ServerOptions::each_mode(read_only_disk_refuses_writes_on);
 }
 
 fn read_only_disk_refuses_writes_on(base: ServerOptions) {
@@ -157,10 +148,7 @@ fn read_only_disk_refuses_writes_on(base: ServerOptions) {
 
 #[test]
 fn any_descriptor_layout() {
-    for (mode, base) in ServerOptions::modes() {
-        println!("mode {mode}");
-        any_descriptor_layout_on(base);
-    }
+    ServerOptions::each_mode(any_descriptor_layout_on);
 }
 
 fn any_descriptor_layout_on(base: ServerOptions) {
@@ -207,10 +195,7 @@ fn any_descriptor_layout_on(base: ServerOptions) {
 
 #[test]
 fn unaligned_buffers_go_through_the_bounce_pool() {
-    for (mode, base) in ServerOptions::modes() {
-        println!("mode {mode}");
-        unaligned_buffers_go_through_the_bounce_pool_on(base);
-    }
+    ServerOptions::each_mode(unaligned_buffers_go_through_the_bounce_pool_on);
 }
 
 fn unaligned_buffers_go_through_the_bounce_pool_on(base: ServerOptions) {
@@ -257,10 +242,7 @@ fn unaligned_buffers_go_through_the_bounce_pool_on(base: ServerOptions) {
 
 #[test]
 fn hostile_requests_get_a_status_and_the_server_survives() {
-    for (mode, base) in ServerOptions::modes() {
-        println!("mode {mode}");
-        hostile_requests_get_a_status_and_the_server_survives_on(base);
-    }
+    ServerOptions::each_mode(hostile_requests_get_a_status_and_the_server_survives_on);
 }
 
 fn hostile_requests_get_a_status_and_the_server_survives_on(base: ServerOptions) {
@@ -337,10 +319,7 @@ fn hostile_requests_get_a_status_and_the_server_survives_on(base: ServerOptions)
 
 #[test]
 fn descriptor_loop_is_cut() {
-    for (mode, base) in ServerOptions::modes() {
-        println!("mode {mode}");
-        descriptor_loop_is_cut_on(base);
-    }
+    ServerOptions::each_mode(descriptor_loop_is_cut_on);
 }
 
 fn descriptor_loop_is_cut_on(base: ServerOptions) {
@@ -371,10 +350,7 @@ fn descriptor_loop_is_cut_on(base: ServerOptions) {
 
 #[test]
 fn two_queues_in_parallel() {
-    for (mode, base) in ServerOptions::modes() {
-        println!("mode {mode}");
-        two_queues_in_parallel_on(base);
-    }
+    ServerOptions::each_mode(two_queues_in_parallel_on);
 }
 
 fn two_queues_in_parallel_on(base: ServerOptions) {
@@ -395,10 +371,7 @@ fn two_queues_in_parallel_on(base: ServerOptions) {
 
 #[test]
 fn reconnect_ten_times_with_fresh_state() {
-    for (mode, base) in ServerOptions::modes() {
-        println!("mode {mode}");
-        reconnect_ten_times_with_fresh_state_on(base);
-    }
+    ServerOptions::each_mode(reconnect_ten_times_with_fresh_state_on);
 }
 
 fn reconnect_ten_times_with_fresh_state_on(base: ServerOptions) {
@@ -426,10 +399,7 @@ fn reconnect_ten_times_with_fresh_state_on(base: ServerOptions) {
 /// nothing lost).
 #[test]
 fn get_vring_base_waits_for_in_flight_requests() {
-    for (mode, base) in ServerOptions::modes() {
-        println!("mode {mode}");
-        get_vring_base_waits_for_in_flight_requests_on(base);
-    }
+    ServerOptions::each_mode(get_vring_base_waits_for_in_flight_requests_on);
 }
 
 fn get_vring_base_waits_for_in_flight_requests_on(base: ServerOptions) {
