@@ -173,6 +173,19 @@ fn b64(data: &[u8]) -> String {
     s
 }
 
+/// Boots the tiny guest's kernel and initramfs directly, with `script` for its init to run.
+fn direct_kernel(cmd: &mut Command, kernel: &Path, initrd: &Path, script: &str) {
+    cmd.arg("-kernel")
+        .arg(kernel)
+        .arg("-initrd")
+        .arg(initrd)
+        .arg("-append")
+        .arg(format!(
+            "console=ttyS0 panic=-1 quiet testcmd={}",
+            b64(script.as_bytes())
+        ));
+}
+
 impl Guest {
     pub fn boot(spec: &GuestSpec) -> Result<Self> {
         let (kernel, initrd) = ensure_guest()?;
@@ -189,16 +202,8 @@ impl Guest {
                 "-display",
                 "none",
             ])
-            .args(["-no-reboot", "-serial", "stdio"])
-            .arg("-kernel")
-            .arg(kernel)
-            .arg("-initrd")
-            .arg(initrd)
-            .arg("-append")
-            .arg(format!(
-                "console=ttyS0 panic=-1 quiet testcmd={}",
-                b64(spec.script.as_bytes())
-            ));
+            .args(["-no-reboot", "-serial", "stdio"]);
+        direct_kernel(&mut cmd, &kernel, &initrd, spec.script);
         for (i, d) in spec.disks.iter().enumerate() {
             cmd.arg("-chardev").arg(format!(
                 "socket,id=vub{i},path={},reconnect-ms=1000",
@@ -226,16 +231,8 @@ impl Guest {
             .args(contract)
             .args(extra)
             .args(["-smp", "2", "-nodefaults", "-no-user-config"])
-            .args(["-display", "none", "-no-reboot", "-serial", "stdio"])
-            .arg("-kernel")
-            .arg(kernel)
-            .arg("-initrd")
-            .arg(initrd)
-            .arg("-append")
-            .arg(format!(
-                "console=ttyS0 panic=-1 quiet testcmd={}",
-                b64(script.as_bytes())
-            ));
+            .args(["-display", "none", "-no-reboot", "-serial", "stdio"]);
+        direct_kernel(&mut cmd, &kernel, &initrd, script);
         Self::spawn(cmd)
     }
 
