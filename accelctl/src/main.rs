@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
-use acceld::control::{self, DriveSpec, ErrorKind, Request, ThrottleLimits};
+use accel_api::control::{self, DriveSpec, ErrorKind, Request, ThrottleLimits};
 use clap::{Args, Parser, Subcommand};
 use serde_json::Value;
 
@@ -162,7 +162,7 @@ fn call(cli: &Cli, req: &Request) -> Result<Value, Fail> {
 }
 
 fn chain(e: &dyn std::error::Error) -> String {
-    acceld::error_chain(e)
+    accel_api::error_chain(e)
 }
 
 fn run(cli: &Cli) -> Result<(), Fail> {

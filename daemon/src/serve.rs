@@ -9,8 +9,8 @@ use tracing::info;
 
 use crate::drive::DEFAULT_POLL_US;
 use crate::drive::{DiscardMode, Drive, DriveConfig};
+use crate::engine::nbd::{NbdEngine, NbdError};
 use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
-use crate::nbd::{NbdEngine, NbdError};
 use crate::vhost::{ServeError, Server, ShutdownHandle};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

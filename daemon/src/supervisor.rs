@@ -32,11 +32,12 @@ use tokio::task::block_in_place;
 use tracing::{debug, info, warn};
 
 use crate::control::{check_id, DriveSpec, ErrorKind, ThrottleLimits};
-use crate::drive::{
-    lock, DiscardMode, Drive, DriveConfig, HeldEngine, LatencyHistogram, DEFAULT_POLL_US,
+use crate::drive::{DiscardMode, Drive, DriveConfig, LatencyHistogram, DEFAULT_POLL_US};
+use crate::engine::nbd::{NbdEngine, NbdError, NbdStats};
+use crate::engine::{
+    image_size, Engine, EngineError, FileEngine, FileEngineConfig, HeldEngine, IoMode,
 };
-use crate::engine::{image_size, Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
-use crate::nbd::{NbdEngine, NbdError, NbdStats};
+use crate::util::lock;
 use crate::vhost::{Server, ShutdownHandle};
 
 /// `acceld run` settings (TOML; every field optional).

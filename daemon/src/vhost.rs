@@ -36,9 +36,11 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::drive::{lock, Drive};
+use crate::drive::Drive;
+use crate::guest_mem::{Mem, MemHandle};
+use crate::queue::{self, CallHandle, WorkerHandle, WorkerParams};
+use crate::util::lock;
 use crate::virtio_blk::{self, CONFIG_LEN, CONFIG_WRITEBACK_OFFSET};
-use crate::worker::{self, CallHandle, Mem, MemHandle, WorkerHandle, WorkerParams};
 
 /// Memory slots we accept (libvhost-user and QEMU's export use the same number).
 const MAX_MEM_SLOTS: u64 = 509;
@@ -212,7 +214,7 @@ impl Connection {
             .expect("checked")
             .try_clone()
             .map_err(VuError::ReqHandlerError)?;
-        let h = worker::spawn(WorkerParams {
+        let h = queue::spawn(WorkerParams {
             drive,
             index,
             queue: q,

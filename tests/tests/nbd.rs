@@ -12,8 +12,8 @@ use accel_tests::{
     dwz_segment, pattern, BlkFrontend, FrontendOptions, S_IOERR, S_OK, T_DISCARD, T_FLUSH, T_IN,
     T_OUT, T_WRITE_ZEROES,
 };
+use acceld::engine::nbd::NbdEngine;
 use acceld::engine::Engine;
-use acceld::nbd::NbdEngine;
 
 struct Setup {
     server: TestServer,

@@ -14,36 +14,34 @@
 
 use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, error, warn};
 use virtio_queue::{DescriptorChain, Queue, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
-use crate::drive::{lock, DiscardMode, Drive};
+use crate::drive::{DiscardMode, Drive, QueueCtl};
 use crate::engine::{Engine, IoOp, QueueIo};
+use crate::guest_mem::{
+    advance_iov, build_iovecs, copy_from_guest, copy_to_guest, iov_aligned, Mem, MemHandle,
+};
+use crate::util::lock;
 use crate::virtio_blk::{
     self, split_chain, Desc, DwzSegment, Header, Layout, Op, Seg, DWZ_SEGMENT_LEN, HEADER_LEN,
     S_IOERR, S_OK, S_UNSUPP, T_DISCARD, T_WRITE_ZEROES,
 };
 
-pub type Mem = GuestMemoryMmap<()>;
-/// The guest memory map, replaced as a whole when the frontend changes it; requests in flight
-/// keep the map they started with alive.
-pub type MemHandle = Arc<Mutex<Arc<Mem>>>;
 /// The call eventfd, which the frontend may replace while the queue runs.
 pub type CallHandle = Arc<Mutex<Option<EventFd>>>;
 
 /// Most data segments (descriptor pieces) one request may have. seg_max is 126; indirect
 /// tables may hold more, up to this bound; longer requests get IOERR.
 pub const MAX_SEGS: usize = 1024;
-/// Most iovecs one operation may have (the kernel's UIO_MAXIOV).
-const MAX_IOV: usize = 1024;
 /// Bounce pool: buffers per queue and bytes per buffer. A bounced request holds one buffer
 /// and moves its data through it in chunks of this size.
 const BOUNCE_BUFS: usize = 8;
@@ -65,99 +63,6 @@ const TOKEN_KICK: u64 = 0;
 const TOKEN_IO: u64 = 1;
 const TOKEN_CTL: u64 = 2;
 
-/// The control side of a worker, shared with the vhost-user handler and with engine switches.
-pub struct QueueCtl {
-    index: usize,
-    depth: u32,
-    wake: EventFd,
-    /// Set with every poke, so that a polling worker sees it without a system call.
-    pending: AtomicBool,
-    st: Mutex<CtlState>,
-    cv: Condvar,
-}
-
-/// A queue's context on an engine, and the engine.
-pub type NextEngine = (Box<dyn QueueIo>, Arc<dyn Engine>);
-
-#[derive(Default)]
-struct CtlState {
-    pause: bool,
-    stop: bool,
-    /// The worker saw the pause or stop and has nothing in flight.
-    drained: bool,
-    exited: bool,
-    next: Option<NextEngine>,
-}
-
-impl QueueCtl {
-    pub fn index(&self) -> usize {
-        self.index
-    }
-
-    pub fn depth(&self) -> u32 {
-        self.depth
-    }
-
-    fn pending(&self) -> bool {
-        self.pending.load(Ordering::Relaxed)
-    }
-
-    fn poke(&self) {
-        self.pending.store(true, Ordering::Relaxed);
-        if let Err(e) = self.wake.write(1) {
-            error!(queue = self.index, "cannot wake worker: {e}");
-        }
-    }
-
-    /// Stop popping new requests; in-flight ones go on to completion.
-    pub fn request_pause(&self) {
-        let mut st = lock(&self.st);
-        st.pause = true;
-        st.drained = false;
-        drop(st);
-        self.poke();
-    }
-
-    /// Waits until the worker is paused with nothing in flight (or has exited).
-    pub fn wait_drained(&self, deadline: Instant) -> bool {
-        let mut st = lock(&self.st);
-        while !(st.drained || st.exited) {
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            st = self
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        true
-    }
-
-    /// Ends a pause, on a new engine context when `next` is given.
-    pub fn resume(&self, next: Option<NextEngine>) {
-        let mut st = lock(&self.st);
-        st.pause = false;
-        st.drained = false;
-        st.next = next;
-        drop(st);
-        self.poke();
-    }
-
-    /// Marks a worker that has not started yet as paused from its first moment.
-    pub(crate) fn start_paused(&self) {
-        let mut st = lock(&self.st);
-        st.pause = true;
-        st.drained = false;
-    }
-
-    fn request_stop(&self) {
-        lock(&self.st).stop = true;
-        self.poke();
-    }
-}
-
 /// A running worker. [`WorkerHandle::stop`] drains it and gives the ring back.
 pub struct WorkerHandle {
     ctl: Arc<QueueCtl>,
@@ -172,7 +77,7 @@ impl WorkerHandle {
         match self.thread.join() {
             Ok(q) => q,
             Err(_) => {
-                error!(queue = self.ctl.index, "queue worker panicked");
+                error!(queue = self.ctl.index(), "queue worker panicked");
                 Queue::new(1).expect("a queue of size 1 is valid")
             }
         }
@@ -205,14 +110,7 @@ pub enum WorkerError {
 /// Starts the worker thread of one queue.
 pub fn spawn(p: WorkerParams) -> Result<WorkerHandle, WorkerError> {
     let depth = u32::from(p.queue.size());
-    let ctl = Arc::new(QueueCtl {
-        index: p.index,
-        depth,
-        wake: EventFd::new(EFD_NONBLOCK).map_err(WorkerError::Setup)?,
-        pending: AtomicBool::new(false),
-        st: Mutex::new(CtlState::default()),
-        cv: Condvar::new(),
-    });
+    let ctl = Arc::new(QueueCtl::new(p.index, depth).map_err(WorkerError::Setup)?);
     let (io, engine) = p
         .drive
         .attach_worker(&ctl, depth)
@@ -246,7 +144,7 @@ pub fn spawn(p: WorkerParams) -> Result<WorkerHandle, WorkerError> {
         Ok(thread) => Ok(WorkerHandle { ctl, thread }),
         Err(e) => {
             drive.detach_worker(&ctl);
-            Err(WorkerError::Spawn(ctl.index, e))
+            Err(WorkerError::Spawn(ctl.index(), e))
         }
     }
 }
@@ -771,7 +669,7 @@ impl Worker {
                         self.slots[idx].used_len = n as u32 + 1;
                         S_OK
                     }
-                    Err(()) => S_IOERR,
+                    Err(_) => S_IOERR,
                 };
                 self.complete(idx, st);
             }
@@ -821,7 +719,7 @@ impl Worker {
                 slot.segs.clear();
                 slot.segs.extend_from_slice(segs);
                 match build_iovecs(slot.mem.as_deref().expect("set"), segs, &mut slot.iov) {
-                    Err(()) => return self.complete(idx, S_IOERR),
+                    Err(_) => return self.complete(idx, S_IOERR),
                     Ok(aligned) if aligned || align <= 1 => {}
                     Ok(_) if iov_aligned(&slot.iov, align) => {}
                     Ok(_) => {
@@ -1120,96 +1018,6 @@ impl Worker {
     }
 }
 
-/// Maps guest ranges to host iovecs. Returns whether the ranges were mapped, and whether every
-/// piece is 512-aligned in address and length (the common case, checked again against the
-/// engine's own alignment when that is not 512).
-fn build_iovecs(mem: &Mem, segs: &[Seg], iov: &mut Vec<libc::iovec>) -> Result<bool, ()> {
-    iov.clear();
-    let mut aligned = true;
-    for s in segs {
-        for vs in GuestMemoryBackend::get_slices(mem, GuestAddress(s.addr), s.len as usize) {
-            let vs = vs.map_err(|_| ())?;
-            if iov.len() >= MAX_IOV {
-                return Err(());
-            }
-            let base = vs.ptr_guard_mut().as_ptr();
-            aligned &= (base as usize) % 512 == 0 && vs.len() % 512 == 0;
-            iov.push(libc::iovec {
-                iov_base: base.cast(),
-                iov_len: vs.len(),
-            });
-        }
-    }
-    Ok(aligned)
-}
-
-fn iov_aligned(iov: &[libc::iovec], align: usize) -> bool {
-    iov.iter()
-        .all(|v| (v.iov_base as usize) % align == 0 && v.iov_len % align == 0)
-}
-
-/// Drops the first `n` bytes of an iovec list.
-fn advance_iov(iov: &mut Vec<libc::iovec>, mut n: usize) {
-    let mut consumed = 0;
-    for v in iov.iter_mut() {
-        if n >= v.iov_len {
-            n -= v.iov_len;
-            consumed += 1;
-        } else {
-            // SAFETY: n < iov_len, so the new base stays inside the same buffer.
-            v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n).cast() };
-            v.iov_len -= n;
-            break;
-        }
-    }
-    iov.drain(..consumed);
-}
-
-/// Copies guest bytes, starting `skip` bytes into `segs`, into `dst` (which must be covered).
-fn copy_from_guest(mem: &Mem, segs: &[Seg], skip: u64, dst: &mut [u8]) -> Result<(), ()> {
-    walk_segs(segs, skip, dst.len(), |addr, pos, n| {
-        mem.read_slice(&mut dst[pos..pos + n], GuestAddress(addr))
-            .map_err(|_| ())
-    })
-}
-
-/// Copies `src` into guest memory, starting `skip` bytes into `segs`.
-fn copy_to_guest(mem: &Mem, segs: &[Seg], skip: u64, src: &[u8]) -> Result<(), ()> {
-    walk_segs(segs, skip, src.len(), |addr, pos, n| {
-        mem.write_slice(&src[pos..pos + n], GuestAddress(addr))
-            .map_err(|_| ())
-    })
-}
-
-/// Calls `f(guest_addr, buf_pos, n)` for each piece of `len` bytes of `segs` after `skip`.
-fn walk_segs(
-    segs: &[Seg],
-    mut skip: u64,
-    len: usize,
-    mut f: impl FnMut(u64, usize, usize) -> Result<(), ()>,
-) -> Result<(), ()> {
-    let mut pos = 0;
-    for s in segs {
-        if pos == len {
-            break;
-        }
-        let sl = u64::from(s.len);
-        if skip >= sl {
-            skip -= sl;
-            continue;
-        }
-        let n = ((sl - skip) as usize).min(len - pos);
-        f(s.addr.checked_add(skip).ok_or(())?, pos, n)?;
-        pos += n;
-        skip = 0;
-    }
-    if pos == len {
-        Ok(())
-    } else {
-        Err(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1232,44 +1040,5 @@ mod tests {
         let mut off = AdaptivePoll::new(0);
         off.adapt(us(1));
         assert_eq!(off.window, Duration::ZERO, "0 turns polling off");
-    }
-
-    #[test]
-    fn walk_segs_skips_and_splits() {
-        let segs = [
-            Seg { addr: 100, len: 4 },
-            Seg { addr: 200, len: 4 },
-            Seg { addr: 300, len: 4 },
-        ];
-        let mut seen = vec![];
-        walk_segs(&segs, 6, 5, |a, p, n| {
-            seen.push((a, p, n));
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!(seen, vec![(202, 0, 2), (300, 2, 3)]);
-        assert!(walk_segs(&segs, 10, 5, |_, _, _| Ok(())).is_err());
-    }
-
-    #[test]
-    fn advance_iov_partial() {
-        let mut buf = [0u8; 64];
-        let p = buf.as_mut_ptr();
-        let mut iov = vec![
-            libc::iovec {
-                iov_base: p.cast(),
-                iov_len: 16,
-            },
-            libc::iovec {
-                // SAFETY: inside `buf`.
-                iov_base: unsafe { p.add(16) }.cast(),
-                iov_len: 16,
-            },
-        ];
-        advance_iov(&mut iov, 20);
-        assert_eq!(iov.len(), 1);
-        assert_eq!(iov[0].iov_len, 12);
-        // SAFETY: inside `buf`.
-        assert_eq!(iov[0].iov_base, unsafe { p.add(20) }.cast());
     }
 }

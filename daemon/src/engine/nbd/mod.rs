@@ -30,8 +30,8 @@ use thiserror::Error;
 use tracing::{debug, warn};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::drive::lock;
 use crate::engine::{Engine, EngineError, IoOp, QueueIo};
+use crate::util::lock;
 
 const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"
 const IHAVEOPT: u64 = 0x4948_4156_454f_5054; // "IHAVEOPT"

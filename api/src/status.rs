@@ -1,0 +1,269 @@
+//! The typed status of `acceld run` (`{"op":"status"}`), and the renderers that read it:
+//! Prometheus text here, the table in accelctl. One type, so a field cannot be spelled two
+//! ways.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::control::ThrottleLimits;
+
+/// Which engine serves a drive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    /// Requests wait in the vring (no engine may serve yet).
+    Held,
+    /// acceld on the image itself (io_uring or inline I/O).
+    Direct,
+    /// NBD to the VM's QEMU, whose block layer serves it.
+    Qemu,
+}
+
+impl EngineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineKind::Held => "held",
+            EngineKind::Direct => "direct",
+            EngineKind::Qemu => "qemu",
+        }
+    }
+}
+
+/// A drive's pin (an operator's choice that overrides the rules where they allow it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PinKind {
+    Qemu,
+    Direct,
+}
+
+/// Pause lengths of one switch direction.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PauseStats {
+    pub count: usize,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub max_us: u64,
+}
+
+impl PauseStats {
+    /// Quantiles of a list of pauses (microseconds).
+    pub fn of(v: &[u64]) -> PauseStats {
+        if v.is_empty() {
+            return PauseStats::default();
+        }
+        let mut s = v.to_vec();
+        s.sort_unstable();
+        let q = |f: f64| s[((s.len() as f64 * f).ceil() as usize).clamp(1, s.len()) - 1];
+        PauseStats {
+            count: s.len(),
+            p50_us: q(0.5),
+            p99_us: q(0.99),
+            max_us: s[s.len() - 1],
+        }
+    }
+}
+
+/// I/O accounting in QEMU's `BlockDeviceStats` terms (what `query-blockstats` reports for a
+/// virtio-blk drive): WRITE_ZEROES counts as a write, DISCARD as an unmap. Monotonic for the
+/// drive's life in acceld, across engine switches.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IoCounters {
+    pub rd_bytes: u64,
+    pub wr_bytes: u64,
+    pub unmap_bytes: u64,
+    pub rd_operations: u64,
+    pub wr_operations: u64,
+    pub flush_operations: u64,
+    pub unmap_operations: u64,
+    pub rd_total_time_ns: u64,
+    pub wr_total_time_ns: u64,
+    pub flush_total_time_ns: u64,
+    pub unmap_total_time_ns: u64,
+    /// Requests that reached the engine and failed.
+    pub failed_rd_operations: u64,
+    pub failed_wr_operations: u64,
+    pub failed_flush_operations: u64,
+    pub failed_unmap_operations: u64,
+    /// Requests rejected before any I/O (malformed, out of range, read-only).
+    pub invalid_rd_operations: u64,
+    pub invalid_wr_operations: u64,
+    pub invalid_flush_operations: u64,
+    pub invalid_unmap_operations: u64,
+}
+
+/// One drive, as `accelctl status` shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DriveStatus {
+    pub vm: String,
+    pub drive: String,
+    /// The vhost-user-blk-pci device using the drive's socket (None until attached).
+    pub device: Option<String>,
+    pub socket: PathBuf,
+    pub image: PathBuf,
+    pub format: String,
+    pub engine: EngineKind,
+    /// Unix time (seconds) of the last engine change.
+    pub since: u64,
+    /// Codes of the reasons that keep the drive on QEMU's block layer.
+    pub reasons: Vec<String>,
+    pub reason_sentences: Vec<String>,
+    pub pin: Option<PinKind>,
+    pub throttle: Option<ThrottleLimits>,
+    pub switches: u64,
+    pub failed_switches: u64,
+    pub last_pause_us: u64,
+    pub pauses_to_direct: PauseStats,
+    pub pauses_to_qemu: PauseStats,
+    pub iops: f64,
+    pub mbps: f64,
+    pub p99_us: Option<u64>,
+    pub in_flight: u64,
+    pub reads: u64,
+    pub writes: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// Requests answered IOERR.
+    pub errors: u64,
+    pub nbd_errors: u64,
+    pub last_error: Option<String>,
+    /// QEMU-style accounting (for `query-blockstats`).
+    pub io: IoCounters,
+}
+
+/// One VM.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VmStatus {
+    pub vm: String,
+    pub qmp: PathBuf,
+    pub attached: bool,
+    /// QEMU's run state as last seen (`running`, `prelaunch`, …; empty before attach).
+    pub run_state: String,
+    pub attach_error: Option<String>,
+    pub drives: Vec<DriveStatus>,
+}
+
+/// The reply of `{"op":"status"}`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    pub vms: Vec<VmStatus>,
+}
+
+impl Status {
+    pub fn drives(&self) -> impl Iterator<Item = &DriveStatus> {
+        self.vms.iter().flat_map(|v| v.drives.iter())
+    }
+
+    /// Prometheus text exposition of every drive's counters.
+    pub fn prometheus(&self) -> String {
+        type Get = fn(&DriveStatus) -> f64;
+        let metrics: [(&str, &str, Get); 9] = [
+            ("accel_drive_reads_total", "counter", |d| d.reads as f64),
+            ("accel_drive_writes_total", "counter", |d| d.writes as f64),
+            ("accel_drive_read_bytes_total", "counter", |d| {
+                d.bytes_read as f64
+            }),
+            ("accel_drive_written_bytes_total", "counter", |d| {
+                d.bytes_written as f64
+            }),
+            ("accel_drive_errors_total", "counter", |d| d.errors as f64),
+            ("accel_drive_switches_total", "counter", |d| {
+                d.switches as f64
+            }),
+            ("accel_drive_in_flight", "gauge", |d| d.in_flight as f64),
+            ("accel_drive_last_pause_microseconds", "gauge", |d| {
+                d.last_pause_us as f64
+            }),
+            ("accel_drive_iops", "gauge", |d| d.iops),
+        ];
+        let mut out = String::new();
+        for (name, typ, get) in metrics {
+            let _ = writeln!(out, "# TYPE {name} {typ}");
+            for d in self.drives() {
+                let _ = writeln!(
+                    out,
+                    "{name}{{vm=\"{}\",drive=\"{}\",engine=\"{}\"}} {}",
+                    d.vm,
+                    d.drive,
+                    d.engine.as_str(),
+                    get(d)
+                );
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pause_quantiles() {
+        assert_eq!(PauseStats::of(&[]), PauseStats::default());
+        let p = PauseStats::of(&[5, 1, 9, 3]);
+        assert_eq!((p.count, p.p50_us, p.p99_us, p.max_us), (4, 3, 9, 9));
+    }
+
+    #[test]
+    fn status_round_trips_through_json() {
+        let d = DriveStatus {
+            vm: "v".into(),
+            drive: "d0".into(),
+            device: Some("d0".into()),
+            socket: "/run/accel/v/d0.sock".into(),
+            image: "/img".into(),
+            format: "raw".into(),
+            engine: EngineKind::Qemu,
+            since: 1,
+            reasons: vec!["throttle".into()],
+            reason_sentences: vec!["x".into()],
+            pin: Some(PinKind::Direct),
+            throttle: Some(ThrottleLimits {
+                iops_total: Some(5),
+                ..Default::default()
+            }),
+            switches: 2,
+            failed_switches: 0,
+            last_pause_us: 10,
+            pauses_to_direct: PauseStats::of(&[3]),
+            pauses_to_qemu: PauseStats::default(),
+            iops: 1.5,
+            mbps: 0.25,
+            p99_us: None,
+            in_flight: 0,
+            reads: 7,
+            writes: 8,
+            bytes_read: 9,
+            bytes_written: 10,
+            errors: 0,
+            nbd_errors: 0,
+            last_error: None,
+            io: IoCounters {
+                rd_operations: 7,
+                ..Default::default()
+            },
+        };
+        let s = Status {
+            vms: vec![VmStatus {
+                vm: "v".into(),
+                qmp: "/q".into(),
+                attached: true,
+                run_state: "running".into(),
+                attach_error: None,
+                drives: vec![d],
+            }],
+        };
+        let j = serde_json::to_value(&s).unwrap();
+        assert_eq!(j["vms"][0]["drives"][0]["engine"], "qemu");
+        assert_eq!(j["vms"][0]["drives"][0]["pin"], "direct");
+        assert_eq!(j["vms"][0]["drives"][0]["io"]["rd_operations"], 7);
+        let back: Status = serde_json::from_value(j).unwrap();
+        assert_eq!(back, s);
+        let prom = s.prometheus();
+        assert!(prom.contains("accel_drive_reads_total{vm=\"v\",drive=\"d0\",engine=\"qemu\"} 7\n"));
+        assert!(prom.contains("# TYPE accel_drive_iops gauge\n"));
+    }
+}

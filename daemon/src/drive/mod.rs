@@ -1,0 +1,164 @@
+//! A drive: what the guest sees (config, serial, geometry), which engine serves it, and the
+//! live engine switch.
+//!
+//! A switch never cancels a request and never loses one: it stops every queue worker from
+//! popping new requests (they stay in the vring), waits until each queue's in-flight requests
+//! have completed on the old engine, hands each worker a context on the new engine, and lets
+//! them resume. The time between the first pause and the last resume is the pause the guest
+//! can observe, and it is recorded.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::engine::held::NullIo;
+use crate::engine::{Engine, EngineError, QueueIo};
+use crate::util::lock;
+use crate::virtio_blk::{BlkConfig, DiskGeometry, SECTOR_SHIFT};
+
+pub mod queue_ctl;
+pub mod stats;
+pub mod switch;
+
+pub use queue_ctl::{NextEngine, QueueCtl};
+pub use stats::{DriveStats, LatencyHistogram};
+pub use switch::{Paused, SwitchError, SwitchReport};
+
+/// What a DISCARD request does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiscardMode {
+    /// Punch a hole in the image (the space is freed; reads return zeroes).
+    Unmap,
+    /// Answer OK and do nothing (discard is a hint).
+    Ignore,
+}
+
+/// Default most microseconds a queue busy-polls before sleeping: QEMU's `poll-max-ns`.
+pub const DEFAULT_POLL_US: u32 = 32;
+
+#[derive(Clone, Debug)]
+pub struct DriveConfig {
+    /// For logs and status.
+    pub name: String,
+    /// GET_ID answer (20 bytes at most, NUL-padded).
+    pub serial: String,
+    pub capacity_bytes: u64,
+    pub logical_block_size: u32,
+    pub read_only: bool,
+    pub num_queues: u16,
+    /// Largest queue size the frontend may choose.
+    pub queue_size: u16,
+    pub discard: DiscardMode,
+    /// Most microseconds a queue busy-polls the vring and the engine before sleeping (the
+    /// window adapts up to this; 0: never poll).
+    pub poll_us: u32,
+}
+
+impl DriveConfig {
+    pub fn geometry(&self) -> DiskGeometry {
+        DiskGeometry {
+            sectors: self.capacity_bytes >> SECTOR_SHIFT,
+            block_size: self.logical_block_size,
+            read_only: self.read_only,
+        }
+    }
+
+    /// The config space, as QEMU 10's export would show it for this disk.
+    pub fn blk_config(&self, writeback: bool) -> BlkConfig {
+        let mut c = BlkConfig::qemu_like(
+            self.capacity_bytes >> SECTOR_SHIFT,
+            self.logical_block_size,
+            self.num_queues,
+        );
+        c.writeback = u8::from(writeback);
+        c
+    }
+}
+
+struct EngineSlot {
+    engine: Arc<dyn Engine>,
+    generation: u64,
+    /// A pause is in progress: workers that start now start paused, with no engine context.
+    paused: bool,
+}
+
+pub struct Drive {
+    cfg: DriveConfig,
+    engine: Mutex<EngineSlot>,
+    /// Set while a pause (a switch) is in progress: one at a time per drive.
+    switching: AtomicBool,
+    /// Held while a worker starts and while a pause or resume walks the workers, so a worker
+    /// always starts on the current engine (or paused) and a switch sees every running worker.
+    attach_lock: Mutex<()>,
+    running: Mutex<Vec<Arc<QueueCtl>>>,
+    /// Write cache enabled (config space `writeback`). On at start, as QEMU's own virtio-blk
+    /// device shows it with its default cache modes: the driver flushes when it needs data
+    /// durable. Off when the driver did not negotiate FLUSH (it could not flush), or when it
+    /// writes 0 (CONFIG_WCE); then every write is write-through (RWF_DSYNC / NBD FUA).
+    writeback: AtomicBool,
+    pub stats: DriveStats,
+    pub drain_timeout: Duration,
+}
+
+impl Drive {
+    pub fn new(cfg: DriveConfig, engine: Arc<dyn Engine>) -> Arc<Self> {
+        let writeback = !cfg.read_only;
+        Arc::new(Drive {
+            cfg,
+            engine: Mutex::new(EngineSlot {
+                engine,
+                generation: 0,
+                paused: false,
+            }),
+            switching: AtomicBool::new(false),
+            attach_lock: Mutex::new(()),
+            running: Mutex::new(Vec::new()),
+            writeback: AtomicBool::new(writeback),
+            stats: DriveStats::default(),
+            drain_timeout: Duration::from_secs(30),
+        })
+    }
+
+    pub fn config(&self) -> &DriveConfig {
+        &self.cfg
+    }
+
+    pub fn engine(&self) -> Arc<dyn Engine> {
+        lock(&self.engine).engine.clone()
+    }
+
+    pub fn writeback(&self) -> bool {
+        self.writeback.load(Ordering::Relaxed)
+    }
+
+    pub fn set_writeback(&self, on: bool) {
+        self.writeback.store(on, Ordering::Relaxed);
+    }
+
+    /// Called by a worker as it starts: the current engine's context for its queue, or a null
+    /// context and a paused start while the drive is held or a switch is in progress.
+    /// Registers the worker so that switches pause it.
+    pub(crate) fn attach_worker(
+        &self,
+        ctl: &Arc<QueueCtl>,
+        depth: u32,
+    ) -> Result<NextEngine, EngineError> {
+        let _a = lock(&self.attach_lock);
+        let (engine, paused) = {
+            let slot = lock(&self.engine);
+            (slot.engine.clone(), slot.paused)
+        };
+        let io = if paused || engine.holds() {
+            ctl.start_paused();
+            Box::new(NullIo::new()?) as Box<dyn QueueIo>
+        } else {
+            engine.open_queue(ctl.index(), depth)?
+        };
+        lock(&self.running).push(ctl.clone());
+        Ok((io, engine))
+    }
+
+    pub(crate) fn detach_worker(&self, ctl: &Arc<QueueCtl>) {
+        lock(&self.running).retain(|c| !Arc::ptr_eq(c, ctl));
+    }
+}

@@ -1,0 +1,118 @@
+//! The pause/drain/resume handshake between a drive (switches, the vhost-user handler) and
+//! each of its queue workers.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use tracing::error;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::engine::{Engine, QueueIo};
+use crate::util::lock;
+
+/// The control side of a worker, shared with the vhost-user handler and with engine switches.
+pub struct QueueCtl {
+    index: usize,
+    depth: u32,
+    /// Readable when the control state changed (the worker watches it in its epoll set).
+    pub(crate) wake: EventFd,
+    /// Set with every poke, so that a polling worker sees it without a system call.
+    pub(crate) pending: AtomicBool,
+    pub(crate) st: Mutex<CtlState>,
+    /// Signalled by the worker when it drained or exited.
+    pub(crate) cv: Condvar,
+}
+
+/// A queue's context on an engine, and the engine.
+pub type NextEngine = (Box<dyn QueueIo>, Arc<dyn Engine>);
+
+#[derive(Default)]
+pub(crate) struct CtlState {
+    pub(crate) pause: bool,
+    pub(crate) stop: bool,
+    /// The worker saw the pause or stop and has nothing in flight.
+    pub(crate) drained: bool,
+    pub(crate) exited: bool,
+    pub(crate) next: Option<NextEngine>,
+}
+
+impl QueueCtl {
+    pub(crate) fn new(index: usize, depth: u32) -> std::io::Result<Self> {
+        Ok(QueueCtl {
+            index,
+            depth,
+            wake: EventFd::new(EFD_NONBLOCK)?,
+            pending: AtomicBool::new(false),
+            st: Mutex::new(CtlState::default()),
+            cv: Condvar::new(),
+        })
+    }
+
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    pub(crate) fn pending(&self) -> bool {
+        self.pending.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn poke(&self) {
+        self.pending.store(true, Ordering::Relaxed);
+        if let Err(e) = self.wake.write(1) {
+            error!(queue = self.index, "cannot wake worker: {e}");
+        }
+    }
+
+    /// Stop popping new requests; in-flight ones go on to completion.
+    pub fn request_pause(&self) {
+        let mut st = lock(&self.st);
+        st.pause = true;
+        st.drained = false;
+        drop(st);
+        self.poke();
+    }
+
+    /// Waits until the worker is paused with nothing in flight (or has exited).
+    pub fn wait_drained(&self, deadline: Instant) -> bool {
+        let mut st = lock(&self.st);
+        while !(st.drained || st.exited) {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// Ends a pause, on a new engine context when `next` is given.
+    pub fn resume(&self, next: Option<NextEngine>) {
+        let mut st = lock(&self.st);
+        st.pause = false;
+        st.drained = false;
+        st.next = next;
+        drop(st);
+        self.poke();
+    }
+
+    /// Marks a worker that has not started yet as paused from its first moment.
+    pub(crate) fn start_paused(&self) {
+        let mut st = lock(&self.st);
+        st.pause = true;
+        st.drained = false;
+    }
+
+    pub(crate) fn request_stop(&self) {
+        lock(&self.st).stop = true;
+        self.poke();
+    }
+}

@@ -1,0 +1,199 @@
+//! The live engine switch: pause (stop popping, drain), then resume on a new engine.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use tracing::{info, warn};
+
+use super::{Drive, QueueCtl};
+use crate::engine::{Engine, EngineError};
+use crate::util::lock;
+
+#[derive(Debug, Error)]
+pub enum SwitchError {
+    #[error("a switch is already running on drive {0}")]
+    Busy(String),
+    #[error("the new engine could not open queue contexts")]
+    Prepare(#[source] EngineError),
+    #[error("queue {queue} did not drain within {timeout:?}; switch rolled back, old engine kept")]
+    DrainTimeout { queue: usize, timeout: Duration },
+}
+
+/// The outcome of one engine switch.
+#[derive(Clone, Debug)]
+pub struct SwitchReport {
+    pub from: String,
+    pub to: String,
+    /// Queues that were running and were drained.
+    pub queues: usize,
+    /// From the first pause request to the last resume.
+    pub pause: Duration,
+}
+
+impl Drive {
+    /// Stops every queue from taking new requests (they stay in the vring) and waits until
+    /// each queue's in-flight requests have completed on the current engine. Nothing is
+    /// cancelled. On a drain timeout the queues resume on the current engine.
+    ///
+    /// The returned [`Paused`] ends the pause: [`Paused::resume`] on a new engine (or the same
+    /// one); dropping it resumes on the current engine.
+    pub fn pause(self: &Arc<Self>) -> Result<Paused, SwitchError> {
+        if self.switching.swap(true, Ordering::AcqRel) {
+            return Err(SwitchError::Busy(self.cfg.name.clone()));
+        }
+        let t0 = Instant::now();
+        let from = self.engine().name().to_string();
+        let workers = {
+            let _a = lock(&self.attach_lock);
+            lock(&self.engine).paused = true;
+            lock(&self.running).clone()
+        };
+        for w in &workers {
+            w.request_pause();
+        }
+        let deadline = t0 + self.drain_timeout;
+        for w in &workers {
+            if !w.wait_drained(deadline) {
+                warn!(drive = %self.cfg.name, queue = w.index(), "drain timed out, pause abandoned");
+                let _a = lock(&self.attach_lock);
+                lock(&self.engine).paused = false;
+                for w in lock(&self.running).iter() {
+                    w.resume(None);
+                }
+                self.switching.store(false, Ordering::Release);
+                return Err(SwitchError::DrainTimeout {
+                    queue: w.index(),
+                    timeout: self.drain_timeout,
+                });
+            }
+        }
+        Ok(Paused {
+            drive: self.clone(),
+            t0,
+            from,
+            queues: workers.len(),
+            ended: false,
+        })
+    }
+
+    /// Moves the drive to `new` without losing or reordering a request: pause, drain,
+    /// resume on `new`. When `new` cannot open its queue contexts, the drive resumes on the
+    /// old engine.
+    pub fn switch_engine(
+        self: &Arc<Self>,
+        new: Arc<dyn Engine>,
+    ) -> Result<SwitchReport, SwitchError> {
+        let p = self.pause()?;
+        match p.resume(new) {
+            Ok(r) => Ok(r),
+            Err((p, e)) => {
+                drop(p);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A drive whose queues are paused and drained (see [`Drive::pause`]).
+pub struct Paused {
+    drive: Arc<Drive>,
+    t0: Instant,
+    from: String,
+    queues: usize,
+    ended: bool,
+}
+
+impl Paused {
+    pub fn drive(&self) -> &Arc<Drive> {
+        &self.drive
+    }
+
+    /// Time since the pause began.
+    pub fn elapsed(&self) -> Duration {
+        self.t0.elapsed()
+    }
+
+    /// Ends the pause on `engine`: each queue gets a fresh context on it. A holding engine
+    /// keeps the queues paused (requests wait in the vring). When a context cannot be opened,
+    /// the drive stays paused and the pause comes back with the error, for a rollback.
+    pub fn resume(
+        mut self,
+        engine: Arc<dyn Engine>,
+    ) -> Result<SwitchReport, (Paused, SwitchError)> {
+        let d = self.drive.clone();
+        let a = lock(&d.attach_lock);
+        let workers: Vec<Arc<QueueCtl>> = lock(&d.running).clone();
+        let mut fresh = Vec::with_capacity(workers.len());
+        if !engine.holds() {
+            for w in &workers {
+                match engine.open_queue(w.index(), w.depth()) {
+                    Ok(io) => fresh.push(io),
+                    Err(e) => {
+                        drop(a);
+                        return Err((self, SwitchError::Prepare(e)));
+                    }
+                }
+            }
+        }
+        {
+            let mut slot = lock(&d.engine);
+            slot.engine = engine.clone();
+            slot.generation += 1;
+            slot.paused = false;
+        }
+        for (w, io) in workers.iter().zip(fresh) {
+            w.resume(Some((io, engine.clone())));
+        }
+        drop(a);
+        self.ended = true;
+        d.switching.store(false, Ordering::Release);
+        let pause = self.t0.elapsed();
+        if engine.holds() {
+            info!(drive = %d.cfg.name, from = %self.from, "drive held: requests wait in the vring");
+        } else {
+            d.stats.switches.fetch_add(1, Ordering::Relaxed);
+            d.stats
+                .last_pause_us
+                .store(pause.as_micros() as u64, Ordering::Relaxed);
+            info!(drive = %d.cfg.name, from = %self.from, to = engine.name(), queues = self.queues, pause_us = pause.as_micros() as u64, "engine switched");
+        }
+        Ok(SwitchReport {
+            from: std::mem::take(&mut self.from),
+            to: engine.name().to_string(),
+            queues: self.queues,
+            pause,
+        })
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        // Abandoned: the queues go on with the current engine. Fresh contexts, since a worker
+        // that started during the pause has none.
+        let d = &self.drive;
+        let _a = lock(&d.attach_lock);
+        let engine = {
+            let mut slot = lock(&d.engine);
+            slot.paused = false;
+            slot.engine.clone()
+        };
+        if !engine.holds() {
+            for w in lock(&d.running).iter() {
+                match engine.open_queue(w.index(), w.depth()) {
+                    Ok(io) => w.resume(Some((io, engine.clone()))),
+                    Err(e) => {
+                        warn!(drive = %d.cfg.name, queue = w.index(), "cannot reopen the engine: {e}");
+                        w.resume(None)
+                    }
+                }
+            }
+        }
+        d.switching.store(false, Ordering::Release);
+        warn!(drive = %d.cfg.name, "pause ended without a switch; queues resumed on {}", self.from);
+    }
+}

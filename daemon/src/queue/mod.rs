@@ -1,0 +1,5 @@
+//! Queue workers: one thread per virtqueue, from pop to completion.
+
+pub mod worker;
+
+pub use worker::{spawn, CallHandle, WorkerError, WorkerHandle, WorkerParams, MAX_SEGS};
