@@ -30,8 +30,8 @@ pub struct DriveSpec {
     #[serde(default = "default_queues")]
     pub queues: u16,
     /// What DISCARD does: "unmap" or "ignore".
-    #[serde(default = "default_discard")]
-    pub discard: String,
+    #[serde(default)]
+    pub discard: DiscardMode,
     /// O_DIRECT (QEMU: cache.direct=on).
     #[serde(default = "default_true")]
     pub direct: bool,
@@ -46,8 +46,41 @@ fn default_format() -> String {
 fn default_queues() -> u16 {
     1
 }
-fn default_discard() -> String {
-    "unmap".into()
+/// What a DISCARD request does (QEMU's `discard` option, same spelling).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiscardMode {
+    /// Punch a hole in the image (the space is freed; reads return zeroes).
+    #[default]
+    Unmap,
+    /// Answer OK and do nothing (discard is a hint).
+    Ignore,
+}
+
+impl DiscardMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DiscardMode::Unmap => "unmap",
+            DiscardMode::Ignore => "ignore",
+        }
+    }
+}
+
+impl std::fmt::Display for DiscardMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for DiscardMode {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s {
+            "unmap" => Ok(DiscardMode::Unmap),
+            "ignore" => Ok(DiscardMode::Ignore),
+            _ => Err(SpecError(format!("discard={s}: expected unmap or ignore"))),
+        }
+    }
 }
 fn default_true() -> bool {
     true
@@ -56,17 +89,22 @@ fn default_lbs() -> u32 {
     512
 }
 
-fn on_off(key: &str, v: &str) -> Result<bool, String> {
+/// A drive spec, name or option that is not valid; the text says why.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("{0}")]
+pub struct SpecError(pub String);
+
+fn on_off(key: &str, v: &str) -> Result<bool, SpecError> {
     match v {
         "on" | "true" | "yes" => Ok(true),
         "off" | "false" | "no" => Ok(false),
-        _ => Err(format!("{key}={v}: expected on or off")),
+        _ => Err(SpecError(format!("{key}={v}: expected on or off"))),
     }
 }
 
 /// Drive ids become QEMU node names and file names: letters, digits, '-', '_', starting
 /// with a letter, at most 31 bytes (QEMU's id rules, minus '.').
-pub fn check_id(kind: &str, id: &str) -> Result<(), String> {
+pub fn check_id(kind: &str, id: &str) -> Result<(), SpecError> {
     let ok = !id.is_empty()
         && id.len() <= 31
         && id.starts_with(|c: char| c.is_ascii_alphabetic())
@@ -76,17 +114,17 @@ pub fn check_id(kind: &str, id: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
+        Err(SpecError(format!(
             "{kind} '{id}' is not a valid name: use 1-31 letters, digits, '-' or '_', starting \
              with a letter"
-        ))
+        )))
     }
 }
 
 impl DriveSpec {
     /// Parses `id=D,image=PATH[,format=raw][,read-only=on][,serial=S][,queues=N]
     /// [,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096]`.
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, SpecError> {
         let mut id = None;
         let mut image = None;
         let mut d = DriveSpec {
@@ -96,14 +134,14 @@ impl DriveSpec {
             read_only: false,
             serial: None,
             queues: 1,
-            discard: default_discard(),
+            discard: DiscardMode::Unmap,
             direct: true,
             logical_block_size: 512,
         };
         for kv in s.split(',') {
             let (k, v) = kv
                 .split_once('=')
-                .ok_or_else(|| format!("'{kv}' is not key=value"))?;
+                .ok_or_else(|| SpecError(format!("'{kv}' is not key=value")))?;
             match k {
                 "id" => id = Some(v.to_string()),
                 "image" => image = Some(PathBuf::from(v)),
@@ -115,42 +153,41 @@ impl DriveSpec {
                         .parse()
                         .ok()
                         .filter(|q| (1..=64).contains(q))
-                        .ok_or_else(|| format!("queues={v}: expected 1 to 64"))?
+                        .ok_or_else(|| SpecError(format!("queues={v}: expected 1 to 64")))?
                 }
-                "discard" => {
-                    if v != "unmap" && v != "ignore" {
-                        return Err(format!("discard={v}: expected unmap or ignore"));
-                    }
-                    d.discard = v.to_string()
-                }
+                "discard" => d.discard = v.parse()?,
                 "direct" => d.direct = on_off(k, v)?,
                 "logical-block-size" => {
                     d.logical_block_size = match v {
                         "512" => 512,
                         "4096" => 4096,
-                        _ => return Err(format!("logical-block-size={v}: expected 512 or 4096")),
+                        _ => {
+                            return Err(SpecError(format!(
+                                "logical-block-size={v}: expected 512 or 4096"
+                            )))
+                        }
                     }
                 }
-                _ => return Err(format!("unknown drive option '{k}'")),
+                _ => return Err(SpecError(format!("unknown drive option '{k}'"))),
             }
         }
-        d.id = id.ok_or("missing id=")?;
-        d.image = image.ok_or("missing image=")?;
+        d.id = id.ok_or_else(|| SpecError("missing id=".into()))?;
+        d.image = image.ok_or_else(|| SpecError("missing image=".into()))?;
         d.validate()?;
         Ok(d)
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SpecError> {
         check_id("drive id", &self.id)?;
         if !self.image.is_absolute() {
-            return Err(format!(
+            return Err(SpecError(format!(
                 "image {} is not an absolute path",
                 self.image.display()
-            ));
+            )));
         }
         if let Some(s) = &self.serial {
             if s.len() > 20 {
-                return Err(format!("serial '{s}' is longer than 20 bytes"));
+                return Err(SpecError(format!("serial '{s}' is longer than 20 bytes")));
             }
         }
         if !self
@@ -159,13 +196,16 @@ impl DriveSpec {
             .all(|c| c.is_ascii_alphanumeric() || c == '-')
             || self.format.is_empty()
         {
-            return Err(format!(
+            return Err(SpecError(format!(
                 "format '{}' is not a QEMU driver name",
                 self.format
-            ));
+            )));
         }
         if self.queues == 0 || self.queues > 64 {
-            return Err(format!("queues={}: expected 1 to 64", self.queues));
+            return Err(SpecError(format!(
+                "queues={}: expected 1 to 64",
+                self.queues
+            )));
         }
         Ok(())
     }
@@ -355,7 +395,7 @@ mod tests {
             ("id=d0,image", "not key=value"),
         ] {
             let e = DriveSpec::parse(bad).unwrap_err();
-            assert!(e.contains(why), "{bad}: {e}");
+            assert!(e.0.contains(why), "{bad}: {e}");
         }
     }
 

@@ -183,6 +183,9 @@ async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>) {
 
 pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
     use policy::Pin;
+    fn json<T: serde::Serialize>(r: Result<T, SupError>) -> Result<serde_json::Value, SupError> {
+        r.map(|v| serde_json::to_value(v).expect("replies serialize"))
+    }
     let res = match req {
         Request::Register {
             vm,
@@ -191,22 +194,26 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
             cont,
         } => {
             let s = sup.clone();
-            tokio::task::block_in_place(move || s.register(vm, qmp, drives, cont))
+            json(tokio::task::block_in_place(move || {
+                s.register(vm, qmp, drives, cont)
+            }))
         }
-        Request::Unregister { vm } => sup.unregister(&vm).await,
-        Request::Attach { vm } => sup.attach(&vm),
-        Request::Detach { vm } => sup.detach(&vm),
-        Request::Status => Ok(sup.status()),
-        Request::Explain { vm, drive } => sup.explain(&vm, &drive).await,
+        Request::Unregister { vm } => json(sup.unregister(&vm).await),
+        Request::Attach { vm } => json(sup.attach(&vm)),
+        Request::Detach { vm } => json(sup.detach(&vm)),
+        Request::Status => json(Ok(sup.status())),
+        Request::Explain { vm, drive } => json(sup.explain(&vm, &drive).await),
         Request::Accelerate { vm, drive, pin } => {
             let p = if pin { Some(Pin::Direct) } else { None };
-            sup.set_pin(&vm, &drive, p, pin).await
+            json(sup.set_pin(&vm, &drive, p, pin).await)
         }
         Request::Handback { vm, drive, pin } => {
-            sup.set_pin(&vm, &drive, Some(Pin::Qemu), pin).await
+            json(sup.set_pin(&vm, &drive, Some(Pin::Qemu), pin).await)
         }
-        Request::Throttle { vm, drive, limits } => sup.set_throttle(&vm, &drive, limits).await,
-        Request::QemuArgs { vm, memory } => sup.qemu_args(&vm, &memory),
+        Request::Throttle { vm, drive, limits } => {
+            json(sup.set_throttle(&vm, &drive, limits).await)
+        }
+        Request::QemuArgs { vm, memory } => json(sup.qemu_args(&vm, &memory)),
     };
     match res {
         Ok(v) => Reply::ok(v),

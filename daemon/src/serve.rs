@@ -8,7 +8,7 @@ use thiserror::Error;
 use tracing::info;
 
 use crate::drive::DEFAULT_POLL_US;
-use crate::drive::{DiscardMode, Drive, DriveConfig};
+use crate::drive::{DiscardMode, Drive, DriveConfig, DriveConfigError};
 use crate::engine::nbd::{NbdEngine, NbdError};
 use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
 use crate::vhost::{ServeError, Server, ShutdownHandle};
@@ -17,12 +17,6 @@ use crate::vhost::{ServeError, Server, ShutdownHandle};
 pub enum OnOff {
     On,
     Off,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum DiscardArg {
-    Unmap,
-    Ignore,
 }
 
 /// Serve one raw image or block device on a vhost-user-blk socket.
@@ -61,8 +55,8 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     pub direct: OnOff,
     /// What DISCARD does: punch a hole in the image, or nothing.
-    #[arg(long, value_enum, default_value_t = DiscardArg::Unmap)]
-    pub discard: DiscardArg,
+    #[arg(long, default_value_t = DiscardMode::Unmap, value_parser = parse_discard)]
+    pub discard: DiscardMode,
     /// Most microseconds a queue busy-polls before sleeping (0: never). Adaptive, like QEMU's
     /// poll-max-ns: a queue whose requests come close together polls (no wake-up latency),
     /// an idle one sleeps and costs nothing.
@@ -98,6 +92,11 @@ fn parse_queue_size(s: &str) -> Result<u16, String> {
         return Err(format!("{n} is not a power of two between 1 and 1024"));
     }
     Ok(n)
+}
+
+fn parse_discard(s: &str) -> Result<DiscardMode, String> {
+    s.parse()
+        .map_err(|_| format!("'{s}' is not unmap or ignore"))
 }
 
 fn parse_block_size(s: &str) -> Result<u32, String> {
@@ -145,17 +144,14 @@ impl ServeArgs {
                     if !image.exists() {
                         return Err(ServeCmdError::NoImage(image.clone()));
                     }
-                    let e = FileEngine::open_waiting(
-                        FileEngineConfig {
-                            path: image.clone(),
-                            read_only: self.read_only,
-                            direct: self.direct == OnOff::On,
-                            logical_block_size: self.logical_block_size,
-                            lock: true,
-                            io: self.io.into(),
-                        },
-                        std::time::Duration::from_secs(2),
-                    )?;
+                    let mut cfg = FileEngineConfig::new(
+                        image.clone(),
+                        self.read_only,
+                        self.direct == OnOff::On,
+                        self.logical_block_size,
+                    );
+                    cfg.io = self.io.into();
+                    let e = FileEngine::open_waiting(cfg, std::time::Duration::from_secs(2))?;
                     let size = e.size();
                     let label = image
                         .file_name()
@@ -165,19 +161,6 @@ impl ServeArgs {
                 }
                 (None, None) => return Err(ServeCmdError::NoImage(PathBuf::new())),
             };
-        let serial = match &self.serial {
-            Some(s) if s.len() > 20 => return Err(ServeCmdError::SerialTooLong(s.clone())),
-            Some(s) => s.clone(),
-            None => label.chars().take(20).collect(),
-        };
-        let block = u64::from(self.logical_block_size);
-        if size < block {
-            return Err(ServeCmdError::TooSmall {
-                path,
-                size,
-                block: self.logical_block_size,
-            });
-        }
         let name = label
             .split('.')
             .next()
@@ -186,19 +169,25 @@ impl ServeArgs {
             .to_string();
         let cfg = DriveConfig {
             name,
-            serial,
-            // The guest sees whole logical blocks; a tail shorter than one is not addressable.
-            capacity_bytes: size / block * block,
+            serial: self
+                .serial
+                .clone()
+                .unwrap_or_else(|| label.chars().take(20).collect()),
+            capacity_bytes: size,
             logical_block_size: self.logical_block_size,
             read_only: self.read_only,
             num_queues: self.queues,
             queue_size: self.queue_size,
-            discard: match self.discard {
-                DiscardArg::Unmap => DiscardMode::Unmap,
-                DiscardArg::Ignore => DiscardMode::Ignore,
-            },
+            discard: self.discard,
             poll_us: self.poll_us,
-        };
+        }
+        .checked()
+        .map_err(|e| match e {
+            DriveConfigError::SerialTooLong(s) => ServeCmdError::SerialTooLong(s),
+            DriveConfigError::TooSmall { size, block } => {
+                ServeCmdError::TooSmall { path, size, block }
+            }
+        })?;
         Ok(Drive::new(cfg, engine))
     }
 }

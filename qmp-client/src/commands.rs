@@ -46,6 +46,13 @@ no_args!(
 no_args!(QueryMigrate, "query-migrate", Value);
 no_args!(NbdServerStop, "nbd-server-stop", Value);
 no_args!(QueryBlockJobs, "query-block-jobs", Vec<Value>);
+no_args!(
+    /// The whole block graph (nodes and edges with their roles); unstable (`x-`) but present in
+    /// every QEMU since 4.0.
+    XDebugQueryBlockGraph,
+    "x-debug-query-block-graph",
+    Value
+);
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 pub struct StatusInfo {
@@ -112,10 +119,29 @@ impl Default for QueryNamedBlockNodes {
 }
 with_args!(QueryNamedBlockNodes, "query-named-block-nodes", Vec<Value>);
 
+/// `qom-set path property value`.
+#[derive(Clone, Debug, Serialize)]
+pub struct QomSet {
+    pub path: String,
+    pub property: String,
+    pub value: Value,
+}
+with_args!(QomSet, "qom-set", Value);
+
 /// `object-add` with the object's own properties flattened in (`qom-type`, `id`, …).
 #[derive(Clone, Debug, Serialize)]
 pub struct ObjectAdd(pub Value);
 with_args!(ObjectAdd, "object-add", Value);
+
+impl ObjectAdd {
+    pub fn iothread(id: &str) -> Self {
+        ObjectAdd(serde_json::json!({"qom-type": "iothread", "id": id}))
+    }
+    /// A throttle group with QEMU's `limits` object (`iops-total`, `bps-read`, …).
+    pub fn throttle_group(id: &str, limits: Value) -> Self {
+        ObjectAdd(serde_json::json!({"qom-type": "throttle-group", "id": id, "limits": limits}))
+    }
+}
 
 #[derive(Clone, Debug, Serialize)]
 pub struct ObjectDel {
@@ -169,6 +195,11 @@ impl BlockExportAdd {
             v["iothread"] = t.into();
         }
         BlockExportAdd(v)
+    }
+    /// An NBD export under an explicit export `name` (default: the node name).
+    pub fn nbd_named(mut self, name: &str) -> Self {
+        self.0["name"] = name.into();
+        self
     }
     pub fn vhost_user_blk(id: &str, node: &str, socket: &str, writable: bool, queues: u16) -> Self {
         BlockExportAdd(serde_json::json!({

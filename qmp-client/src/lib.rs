@@ -38,8 +38,12 @@ const EVENT_BUFFER: usize = 4096;
 
 #[derive(Debug, Error, Clone)]
 pub enum QmpError {
-    #[error("cannot connect to QMP socket {path}: {msg}")]
-    Connect { path: PathBuf, msg: String },
+    #[error("cannot connect to QMP socket {path}")]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
     #[error("QMP connection closed{}", .0.as_ref().map(|r| format!(": {r}")).unwrap_or_default())]
     Closed(Option<String>),
     #[error("QEMU refused {command}: {class}: {desc}")]
@@ -54,8 +58,8 @@ pub enum QmpError {
     Protocol(String),
     #[error("{command}: cannot decode QEMU's reply: {msg}")]
     Decode { command: String, msg: String },
-    #[error("QMP I/O error: {0}")]
-    Io(String),
+    #[error("QMP I/O error")]
+    Io(#[source] Arc<std::io::Error>),
 }
 
 impl QmpError {
@@ -122,7 +126,7 @@ pub async fn connect(path: &Path) -> Result<Handshake, QmpError> {
         .await
         .map_err(|e| QmpError::Connect {
             path: path.to_path_buf(),
-            msg: e.to_string(),
+            source: Arc::new(e),
         })?;
     let (r, w) = stream.into_split();
     let mut reader = BufReader::new(r);
@@ -218,7 +222,7 @@ async fn read_message(r: &mut BufReader<OwnedReadHalf>) -> Result<Option<Value>,
             .take(MAX_LINE as u64 + 1)
             .read_until(b'\n', &mut line)
             .await
-            .map_err(|e| QmpError::Io(e.to_string()))?;
+            .map_err(|e| QmpError::Io(Arc::new(e)))?;
         if n == 0 {
             return Ok(None);
         }
@@ -248,9 +252,7 @@ async fn read_message(r: &mut BufReader<OwnedReadHalf>) -> Result<Option<Value>,
 async fn write_message(w: &mut OwnedWriteHalf, v: &Value) -> Result<(), QmpError> {
     let mut s = serde_json::to_vec(v).map_err(|e| QmpError::Protocol(e.to_string()))?;
     s.push(b'\n');
-    w.write_all(&s)
-        .await
-        .map_err(|e| QmpError::Io(e.to_string()))
+    w.write_all(&s).await.map_err(|e| QmpError::Io(Arc::new(e)))
 }
 
 type Reply = Result<Value, QmpError>;

@@ -16,7 +16,7 @@ use policy::Pin;
 use serde_json::Value;
 
 fn drive(sup: &Supervisor) -> Value {
-    sup.status()["vms"][0]["drives"][0].clone()
+    serde_json::to_value(sup.status()).unwrap()["vms"][0]["drives"][0].clone()
 }
 
 async fn wait_engine(sup: &Supervisor, engine: &str) -> Value {
@@ -117,10 +117,14 @@ async fn switches_and_rollbacks_under_verified_load() {
         ("nbd-server-start", "injected: address in use"),
     ] {
         fake.fail_next(cmd, desc);
+        // QEMU has one NBD server: a start fails for real only while it is not serving
+        // (acceld goes on when its own server greets).
+        fake.set_nbd_up(cmd != "nbd-server-start");
         let e = sup
             .set_pin("vm", "d0", Some(Pin::Qemu), false)
             .await
             .unwrap_err();
+        fake.set_nbd_up(true);
         failed += 1;
         assert!(e.chain().contains("injected"), "{cmd}: {}", e.chain());
         let d = drive(&sup);
@@ -175,13 +179,14 @@ async fn switches_and_rollbacks_under_verified_load() {
         iops_total: Some(100_000),
         ..Default::default()
     };
-    let d = sup.set_throttle("vm", "d0", Some(limits)).await.unwrap();
+    let d =
+        serde_json::to_value(sup.set_throttle("vm", "d0", Some(limits)).await.unwrap()).unwrap();
     assert_eq!(d["engine"], "qemu");
     assert_eq!(d["reasons"][0], "throttle");
     assert!(fake.has_node("accel-throttle-d0"));
     assert!(fake.objects().contains(&"accel-tg-d0".to_string()));
     pause().await;
-    let d = sup.set_throttle("vm", "d0", None).await.unwrap();
+    let d = serde_json::to_value(sup.set_throttle("vm", "d0", None).await.unwrap()).unwrap();
     assert_eq!(d["engine"], "qemu", "clear waits for the quiet period");
     tokio::time::sleep(Duration::from_millis(150)).await;
     sup.set_pin("vm", "d0", None, false).await.unwrap();

@@ -21,17 +21,10 @@ pub mod stats;
 pub mod switch;
 
 pub use queue_ctl::{NextEngine, QueueCtl};
-pub use stats::{DriveStats, LatencyHistogram};
+pub use stats::{AcctClass, BlockAcct, DriveStats, LatencyHistogram};
 pub use switch::{Paused, SwitchError, SwitchReport};
 
-/// What a DISCARD request does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DiscardMode {
-    /// Punch a hole in the image (the space is freed; reads return zeroes).
-    Unmap,
-    /// Answer OK and do nothing (discard is a hint).
-    Ignore,
-}
+pub use accel_api::control::DiscardMode;
 
 /// Default most microseconds a queue busy-polls before sleeping: QEMU's `poll-max-ns`.
 pub const DEFAULT_POLL_US: u32 = 32;
@@ -54,7 +47,34 @@ pub struct DriveConfig {
     pub poll_us: u32,
 }
 
+/// A drive config that cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum DriveConfigError {
+    #[error("holds {size} bytes, less than one {block}-byte block")]
+    TooSmall { size: u64, block: u32 },
+    #[error("serial '{0}' is longer than 20 bytes")]
+    SerialTooLong(String),
+}
+
 impl DriveConfig {
+    /// The one way to finish a config: checks the serial (GET_ID answers 20 bytes at most)
+    /// and the size, and rounds the capacity down to whole logical blocks (a tail shorter than
+    /// one is not addressable).
+    pub fn checked(mut self) -> Result<Self, DriveConfigError> {
+        if self.serial.len() > 20 {
+            return Err(DriveConfigError::SerialTooLong(self.serial));
+        }
+        let block = u64::from(self.logical_block_size);
+        if self.capacity_bytes < block {
+            return Err(DriveConfigError::TooSmall {
+                size: self.capacity_bytes,
+                block: self.logical_block_size,
+            });
+        }
+        self.capacity_bytes = self.capacity_bytes / block * block;
+        Ok(self)
+    }
+
     pub fn geometry(&self) -> DiskGeometry {
         DiskGeometry {
             sectors: self.capacity_bytes >> SECTOR_SHIFT,

@@ -26,6 +26,92 @@ pub struct DriveStats {
     pub last_pause_us: AtomicU64,
     /// Completion latency of every request, from pop to used ring.
     pub latency: LatencyHistogram,
+    /// Accounting per request class, in QEMU's blockstats terms.
+    pub acct: BlockAcct,
+}
+
+/// The request classes QEMU's block accounting knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AcctClass {
+    Read = 0,
+    /// WRITE and WRITE_ZEROES.
+    Write = 1,
+    Flush = 2,
+    /// DISCARD.
+    Unmap = 3,
+}
+
+#[derive(Debug, Default)]
+struct ClassAcct {
+    ops: AtomicU64,
+    bytes: AtomicU64,
+    time_ns: AtomicU64,
+    failed: AtomicU64,
+    invalid: AtomicU64,
+}
+
+/// Per-class counters: done (with bytes and time), failed, invalid.
+#[derive(Debug, Default)]
+pub struct BlockAcct {
+    class: [ClassAcct; 4],
+}
+
+impl BlockAcct {
+    /// A request of `class` completed after `took`: `ok` with `bytes`, or failed.
+    pub fn done(&self, class: AcctClass, ok: bool, bytes: u64, took: Duration) {
+        let c = &self.class[class as usize];
+        if ok {
+            c.ops.fetch_add(1, Ordering::Relaxed);
+            c.bytes.fetch_add(bytes, Ordering::Relaxed);
+            let ns = took.as_nanos().min(u128::from(u64::MAX)) as u64;
+            c.time_ns.fetch_add(ns, Ordering::Relaxed);
+        } else {
+            c.failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A request of `class` was rejected before any I/O.
+    pub fn invalid(&self, class: AcctClass) {
+        self.class[class as usize]
+            .invalid
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn counters(&self) -> accel_api::status::IoCounters {
+        let g = |c: AcctClass| {
+            let a = &self.class[c as usize];
+            [&a.ops, &a.bytes, &a.time_ns, &a.failed, &a.invalid].map(|x| x.load(Ordering::Relaxed))
+        };
+        let [rd_operations, rd_bytes, rd_total_time_ns, failed_rd_operations, invalid_rd_operations] =
+            g(AcctClass::Read);
+        let [wr_operations, wr_bytes, wr_total_time_ns, failed_wr_operations, invalid_wr_operations] =
+            g(AcctClass::Write);
+        let [flush_operations, _, flush_total_time_ns, failed_flush_operations, invalid_flush_operations] =
+            g(AcctClass::Flush);
+        let [unmap_operations, unmap_bytes, unmap_total_time_ns, failed_unmap_operations, invalid_unmap_operations] =
+            g(AcctClass::Unmap);
+        accel_api::status::IoCounters {
+            rd_bytes,
+            wr_bytes,
+            unmap_bytes,
+            rd_operations,
+            wr_operations,
+            flush_operations,
+            unmap_operations,
+            rd_total_time_ns,
+            wr_total_time_ns,
+            flush_total_time_ns,
+            unmap_total_time_ns,
+            failed_rd_operations,
+            failed_wr_operations,
+            failed_flush_operations,
+            failed_unmap_operations,
+            invalid_rd_operations,
+            invalid_wr_operations,
+            invalid_flush_operations,
+            invalid_unmap_operations,
+        }
+    }
 }
 
 /// Lock-free latency histogram: bucket i counts latencies in [2^(i-1), 2^i) microseconds.
@@ -70,5 +156,32 @@ impl LatencyHistogram {
             }
         }
         Some(1u64 << 39)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accounting_keeps_classes_apart() {
+        let a = BlockAcct::default();
+        a.done(AcctClass::Read, true, 4096, Duration::from_nanos(100));
+        a.done(AcctClass::Read, false, 0, Duration::from_nanos(7));
+        a.done(AcctClass::Write, true, 512, Duration::from_nanos(50));
+        a.done(AcctClass::Unmap, true, 1 << 20, Duration::from_nanos(9));
+        a.invalid(AcctClass::Flush);
+        let c = a.counters();
+        assert_eq!(
+            (c.rd_operations, c.rd_bytes, c.rd_total_time_ns),
+            (1, 4096, 100)
+        );
+        assert_eq!(c.failed_rd_operations, 1);
+        assert_eq!(
+            (c.wr_operations, c.wr_bytes, c.wr_total_time_ns),
+            (1, 512, 50)
+        );
+        assert_eq!((c.unmap_operations, c.unmap_bytes), (1, 1 << 20));
+        assert_eq!((c.flush_operations, c.invalid_flush_operations), (0, 1));
     }
 }

@@ -25,7 +25,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::drive::{DiscardMode, Drive, QueueCtl};
+use crate::drive::{AcctClass, DiscardMode, Drive, QueueCtl};
 use crate::engine::{Engine, IoOp, QueueIo};
 use crate::guest_mem::{
     advance_iov, build_iovecs, copy_from_guest, copy_to_guest, iov_aligned, Mem, MemHandle,
@@ -163,6 +163,8 @@ struct Slot {
     head: u16,
     status: u64,
     used_len: u32,
+    /// The request's accounting class, once dispatched (None: GET_ID, or not yet).
+    acct: Option<AcctClass>,
     op: Op,
     stage: Stage,
     /// Bytes of the data already transferred (short transfers, bounce chunks).
@@ -183,6 +185,7 @@ impl Slot {
             head: 0,
             status: 0,
             used_len: 0,
+            acct: None,
             op: Op::Flush,
             stage: Stage::Flush,
             done: 0,
@@ -289,6 +292,8 @@ struct Worker {
     free: Vec<usize>,
     in_flight: usize,
     layout: Layout,
+    /// The type in the last decoded request header (for accounting a rejected request).
+    req_type: Option<u32>,
     completions: Vec<(u64, i32)>,
     bounce: BouncePool,
     bounce_wait: VecDeque<usize>,
@@ -335,6 +340,7 @@ impl Worker {
             free: (0..n).rev().collect(),
             in_flight: 0,
             layout: Layout::with_capacity(MAX_SEGS),
+            req_type: None,
             completions: Vec::with_capacity(n),
             bounce: BouncePool {
                 bufs: Vec::new(),
@@ -630,8 +636,14 @@ impl Worker {
         slot.zero_fill = false;
         slot.bounce = None;
         slot.mem = Some(mem.clone());
+        slot.acct = None;
         match decoded {
-            Err(st) => self.complete(idx, st),
+            Err(st) => {
+                if let Some(class) = self.req_type.take().and_then(acct_class) {
+                    self.drive.stats.acct.invalid(class);
+                }
+                self.complete(idx, st)
+            }
             Ok(op) => {
                 self.slots[idx].op = op;
                 self.dispatch(idx);
@@ -641,9 +653,11 @@ impl Worker {
 
     /// Reads the header (and the discard/write-zeroes segment) and validates the request.
     fn decode(&mut self, mem: &Mem) -> Result<Op, u8> {
+        self.req_type = None;
         let mut hb = [0u8; HEADER_LEN as usize];
         copy_from_guest(mem, &self.layout.header, 0, &mut hb).map_err(|_| S_IOERR)?;
         let h = Header::from_bytes(&hb);
+        self.req_type = Some(h.req_type);
         let dwz = if matches!(h.req_type, T_DISCARD | T_WRITE_ZEROES)
             && self.layout.readable_data_len == u64::from(DWZ_SEGMENT_LEN)
         {
@@ -658,6 +672,13 @@ impl Worker {
 
     fn dispatch(&mut self, idx: usize) {
         let op = self.slots[idx].op;
+        self.slots[idx].acct = match op {
+            Op::Read { .. } => Some(AcctClass::Read),
+            Op::Write { .. } | Op::WriteZeroes { .. } => Some(AcctClass::Write),
+            Op::Flush => Some(AcctClass::Flush),
+            Op::Discard { .. } => Some(AcctClass::Unmap),
+            Op::GetId => None,
+        };
         let stats = &self.drive.stats;
         match op {
             Op::GetId => {
@@ -968,7 +989,18 @@ impl Worker {
         }
         stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         let slot = &mut self.slots[idx];
-        stats.latency.record(slot.started.elapsed());
+        let took = slot.started.elapsed();
+        stats.latency.record(took);
+        if let Some(class) = slot.acct.take() {
+            let bytes = match slot.op {
+                Op::Read { len, .. }
+                | Op::Write { len, .. }
+                | Op::WriteZeroes { len, .. }
+                | Op::Discard { len, .. } => len,
+                Op::Flush | Op::GetId => 0,
+            };
+            stats.acct.done(class, status == S_OK, bytes, took);
+        }
         // The request's own memory map holds the ring too: no lock per completion.
         let mem = slot.mem.take().expect("request in flight");
         if status != S_OK {
@@ -1015,6 +1047,17 @@ impl Worker {
             Ok(false) => {}
             Err(e) => warn!(queue = self.index, "needs_notification: {e}"),
         }
+    }
+}
+
+/// The accounting class of a request type (None: GET_ID and unknown types).
+fn acct_class(req_type: u32) -> Option<AcctClass> {
+    match req_type {
+        virtio_blk::T_IN => Some(AcctClass::Read),
+        virtio_blk::T_OUT | T_WRITE_ZEROES => Some(AcctClass::Write),
+        virtio_blk::T_FLUSH => Some(AcctClass::Flush),
+        T_DISCARD => Some(AcctClass::Unmap),
+        _ => None,
     }
 }
 

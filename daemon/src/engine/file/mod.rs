@@ -33,6 +33,20 @@ pub struct FileEngineConfig {
     pub io: IoMode,
 }
 
+impl FileEngineConfig {
+    /// An image opened with QEMU-compatible locks and the I/O mode chosen by its file system.
+    pub fn new(path: PathBuf, read_only: bool, direct: bool, logical_block_size: u32) -> Self {
+        FileEngineConfig {
+            path,
+            read_only,
+            direct,
+            logical_block_size,
+            lock: true,
+            io: IoMode::Auto,
+        }
+    }
+}
+
 /// How the file engine issues I/O.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum IoMode {

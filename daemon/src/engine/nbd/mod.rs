@@ -177,6 +177,21 @@ fn read_option_reply(r: &mut impl Read, opt: u32) -> Result<(u32, Vec<u8>), NbdE
     Ok((typ, data))
 }
 
+/// Whether an NBD server greets on `path` (a fixed-newstyle greeting within `timeout`). The
+/// connection is dropped before any option is sent.
+pub fn greets(path: &Path, timeout: Duration) -> bool {
+    let Ok(mut s) = UnixStream::connect(path) else {
+        return false;
+    };
+    if s.set_read_timeout(Some(timeout)).is_err() {
+        return false;
+    }
+    matches!(
+        (rd_u64(&mut s), rd_u64(&mut s)),
+        (Ok(NBDMAGIC), Ok(IHAVEOPT))
+    )
+}
+
 /// Connects to `path` and negotiates `export`; returns the connection, ready for
 /// transmission, and the export's parameters.
 pub fn connect(path: &Path, export: &str) -> Result<(UnixStream, ExportInfo), NbdError> {

@@ -1,0 +1,158 @@
+//! One drive's supervisor-side state, split by concern, each part behind its own lock:
+//! - [`Placement`]: which engine serves it, since when, the way back to direct, the quiet timer;
+//! - [`Intent`]: what the operator asked (pin, throttle);
+//! - [`GraphRecord`]: what acceld did to QEMU's block graph (nodes removed and their recipe,
+//!   the throttle applied, the device found);
+//! - [`Observed`]: the policy's last view and reasons;
+//! - [`SwitchStats`]: pauses, failures, the last error, the NBD engine's counters, rates.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Instant, SystemTime};
+
+use accel_api::control::{DriveSpec, ThrottleLimits};
+use accel_api::status::EngineKind;
+use policy::{DriveView, NodeView, Pin, Reason, ServeSpec};
+use serde::{Deserialize, Serialize};
+
+use crate::drive::Drive;
+use crate::engine::nbd::NbdStats;
+use crate::util::lock;
+use crate::vhost::ShutdownHandle;
+
+/// The drive's QEMU nodes as they were before acceld removed them, to re-create them.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Recorded {
+    pub node: NodeView,
+    pub protocol: Option<NodeView>,
+}
+
+#[derive(Debug)]
+pub struct Placement {
+    pub engine: EngineKind,
+    /// When `engine` last changed.
+    pub since: SystemTime,
+    /// How the drive was last served directly (the way back if a switch to qemu fails).
+    pub direct_spec: Option<ServeSpec>,
+    /// When the rules started allowing direct again (the quiet period's timer).
+    pub accel_since: Option<Instant>,
+}
+
+#[derive(Debug, Default)]
+pub struct Intent {
+    pub pin: Option<Pin>,
+    /// The pin survives an acceld restart.
+    pub pin_persistent: bool,
+    pub throttle: Option<ThrottleLimits>,
+}
+
+#[derive(Debug, Default)]
+pub struct GraphRecord {
+    /// The vhost-user-blk-pci device on the drive's socket (set at attach).
+    pub device: Option<String>,
+    /// acceld removed the drive's nodes from QEMU (direct engine).
+    pub nodes_removed: bool,
+    pub recorded: Option<Recorded>,
+    /// The throttle QEMU has now (qemu engine only).
+    pub applied_throttle: Option<ThrottleLimits>,
+}
+
+#[derive(Debug, Default)]
+pub struct Observed {
+    pub reasons: Vec<Reason>,
+    pub last_view: Option<DriveView>,
+}
+
+/// Rates over the last sampling interval.
+#[derive(Clone, Debug, Default)]
+pub struct Rates {
+    pub at: Option<Instant>,
+    pub ops: u64,
+    pub bytes: u64,
+    pub lat: Option<[u64; 40]>,
+    pub iops: f64,
+    pub mbps: f64,
+    pub p99_us: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+pub struct SwitchStats {
+    pub to_direct_us: Vec<u64>,
+    pub to_qemu_us: Vec<u64>,
+    pub failed_switches: u64,
+    pub last_error: Option<String>,
+    pub nbd: Option<Arc<NbdStats>>,
+    pub rates: Rates,
+}
+
+type ServerThread = (ShutdownHandle, JoinHandle<()>);
+
+pub struct DriveSlot {
+    pub spec: DriveSpec,
+    pub socket: PathBuf,
+    pub drive: Arc<Drive>,
+    server: Mutex<Option<ServerThread>>,
+    /// One operation (switch, re-tune) at a time per drive.
+    pub op: tokio::sync::Mutex<()>,
+    pub placement: Mutex<Placement>,
+    pub intent: Mutex<Intent>,
+    pub graph: Mutex<GraphRecord>,
+    pub observed: Mutex<Observed>,
+    pub stats: Mutex<SwitchStats>,
+}
+
+impl DriveSlot {
+    pub fn new(
+        spec: DriveSpec,
+        socket: PathBuf,
+        drive: Arc<Drive>,
+        server: ServerThread,
+        placement: Placement,
+        intent: Intent,
+        graph: GraphRecord,
+    ) -> Self {
+        DriveSlot {
+            spec,
+            socket,
+            drive,
+            server: Mutex::new(Some(server)),
+            op: tokio::sync::Mutex::new(()),
+            placement: Mutex::new(placement),
+            intent: Mutex::new(intent),
+            graph: Mutex::new(graph),
+            observed: Mutex::new(Observed::default()),
+            stats: Mutex::new(SwitchStats::default()),
+        }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.spec.id
+    }
+
+    /// Stops the vhost-user server (its connection drains) and removes the socket.
+    pub fn stop_server(&self) {
+        let s = lock(&self.server).take();
+        if let Some((h, t)) = s {
+            h.shutdown();
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+
+    pub fn set_engine(&self, k: EngineKind) {
+        let mut p = lock(&self.placement);
+        if p.engine != k {
+            p.engine = k;
+            p.since = SystemTime::now();
+        }
+    }
+
+    pub fn engine_kind(&self) -> EngineKind {
+        lock(&self.placement).engine
+    }
+
+    pub fn has_device(&self) -> bool {
+        lock(&self.graph).device.is_some()
+    }
+}

@@ -1,0 +1,132 @@
+//! What QEMU says, read once per reconcile round, and the policy's view and decision of a
+//! drive with acceld's own export and throttle filter taken out.
+
+use policy::{Decision, DriveView, NodeView, Parent, Reason};
+use qmp_client::commands::{
+    BlockExportInfo, QueryBlock, QueryBlockExports, QueryMigrate, QueryNamedBlockNodes,
+    QueryStatus, XDebugQueryBlockGraph,
+};
+use qmp_client::Qmp;
+use serde_json::Value;
+
+use super::drive_state::DriveSlot;
+use super::qemu_graph::{export_id, filter_node};
+use super::{qmp_run, SupError};
+use crate::util::lock;
+
+pub(super) struct QemuSnapshot {
+    pub nodes: Vec<NodeView>,
+    pub graph: Option<policy::qemu::BlockGraph>,
+    pub throttled: Vec<String>,
+    pub vm: policy::VmState,
+    pub exports: Vec<BlockExportInfo>,
+}
+
+impl QemuSnapshot {
+    /// acceld's export of the drive exists.
+    pub fn has_export(&self, drive: &str) -> bool {
+        self.exports.iter().any(|e| e.id == export_id(drive))
+    }
+}
+
+pub(super) async fn snapshot(qmp: &Qmp) -> Result<QemuSnapshot, SupError> {
+    let nodes_v = qmp_run(qmp, &QueryNamedBlockNodes::default()).await?;
+    let nodes = policy::qemu::parse_nodes(&Value::Array(nodes_v))
+        .map_err(|e| SupError::Parse(e.to_string()))?;
+    // The graph is an unstable command: without it the policy sees fewer parents.
+    let graph = match qmp_run(qmp, &XDebugQueryBlockGraph).await {
+        Ok(g) => policy::qemu::parse_graph(&g).ok(),
+        Err(_) => None,
+    };
+    let qb = qmp_run(qmp, &QueryBlock).await?;
+    let throttled = policy::qemu::throttled_nodes(&Value::Array(qb));
+    let status = qmp_run(qmp, &QueryStatus).await?;
+    let status = serde_json::to_value(&status).map_err(|e| SupError::Parse(e.to_string()))?;
+    let migrate = qmp_run(qmp, &QueryMigrate).await.ok();
+    let vm = policy::qemu::vm_state(&status, migrate.as_ref());
+    let exports = qmp_run(qmp, &QueryBlockExports).await?;
+    Ok(QemuSnapshot {
+        nodes,
+        graph,
+        throttled,
+        vm,
+        exports,
+    })
+}
+
+/// The policy's view of a drive, with acceld's own export and throttle filter taken out of
+/// the parents, and the recorded nodes standing in for removed ones.
+pub(super) fn view(d: &DriveSlot, snap: &QemuSnapshot) -> DriveView {
+    let ctx = policy::qemu::DriveContext {
+        vm: snap.vm.clone(),
+        memory_shared: true,
+        pin: lock(&d.intent).pin,
+        options: policy::RecordedOptions {
+            discard: d.spec.discard.as_str().into(),
+            logical_block_size: d.spec.logical_block_size,
+            queues: d.spec.queues,
+            serial: d.spec.serial.clone(),
+        },
+        throttled: snap.throttled.clone(),
+    };
+    let id = d.id();
+    let present = snap.nodes.iter().any(|n| n.name == id);
+    {
+        let g = lock(&d.graph);
+        if let (false, true, Some(rec)) = (present, g.nodes_removed, &g.recorded) {
+            return DriveView {
+                drive: id.to_string(),
+                node: Some(rec.node.clone()),
+                protocol: rec.protocol.clone(),
+                parents: Vec::new(),
+                other_children: Vec::new(),
+                vm: ctx.vm.clone(),
+                memory_shared: true,
+                pin: ctx.pin,
+                options: ctx.options.clone(),
+            };
+        }
+    }
+    let mut v = policy::qemu::drive_view(id, &snap.nodes, snap.graph.as_ref(), &ctx);
+    // Our own users of the node are not reasons.
+    let ours_export = snap
+        .exports
+        .iter()
+        .any(|e| e.id == export_id(id) && e.node_name == id);
+    if ours_export {
+        if let Some(i) = v
+            .parents
+            .iter()
+            .position(|p| matches!(p, Parent::Backend(_)))
+        {
+            v.parents.remove(i);
+        }
+    }
+    if snap.nodes.iter().any(|n| n.name == filter_node(id)) {
+        if let Some(i) = v
+            .parents
+            .iter()
+            .position(|p| matches!(p, Parent::Filter(f) if f == "throttle"))
+        {
+            v.parents.remove(i);
+        }
+    }
+    v
+}
+
+/// The policy's decision, with an operator's throttle as one more reason for QEMU.
+pub(super) fn decide(d: &DriveSlot, view: &DriveView) -> Decision {
+    let dec = policy::decide(view);
+    if lock(&d.intent).throttle.is_none() {
+        return dec;
+    }
+    match dec {
+        Decision::Accelerate(_) => Decision::Qemu(vec![Reason::Throttle]),
+        Decision::Qemu(mut r) => {
+            if !r.contains(&Reason::Throttle) {
+                r.push(Reason::Throttle);
+            }
+            Decision::Qemu(r)
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! The state file: the registry as it must survive an acceld restart (atomic save, load).
+
+use std::path::Path;
+
+use accel_api::control::{DriveSpec, ThrottleLimits};
+use accel_api::status::EngineKind;
+use policy::Pin;
+use serde::{Deserialize, Serialize};
+
+use super::drive_state::Recorded;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SavedDrive {
+    pub spec: DriveSpec,
+    pub engine: EngineKind,
+    pub nodes_removed: bool,
+    pub recorded: Option<Recorded>,
+    #[serde(default)]
+    pub pin: Option<Pin>,
+    #[serde(default)]
+    pub throttle: Option<ThrottleLimits>,
+}
+
+impl SavedDrive {
+    /// A drive just registered: held until the supervisor attaches.
+    pub fn new(spec: DriveSpec) -> Self {
+        SavedDrive {
+            spec,
+            engine: EngineKind::Held,
+            nodes_removed: false,
+            recorded: None,
+            pin: None,
+            throttle: None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SavedVm {
+    pub name: String,
+    pub qmp: std::path::PathBuf,
+    pub cont: bool,
+    pub drives: Vec<SavedDrive>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct SavedState {
+    pub vms: Vec<SavedVm>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PersistError {
+    #[error("cannot read state file {path}")]
+    Read {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("state file {path} is damaged")]
+    Damaged {
+        path: std::path::PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("cannot save state to {path}")]
+    Write {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Writes the state next to `path` and renames it over, so a crash leaves the old or the new.
+pub fn save(path: &Path, st: &SavedState) -> Result<(), PersistError> {
+    let tmp = path.with_extension("tmp");
+    let data = serde_json::to_vec_pretty(st).expect("state serializes");
+    std::fs::write(&tmp, data)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|source| PersistError::Write {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// The saved state; empty when there is no file yet.
+pub fn load(path: &Path) -> Result<SavedState, PersistError> {
+    let data = match std::fs::read(path) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(SavedState::default()),
+        Err(source) => {
+            return Err(PersistError::Read {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    serde_json::from_slice(&data).map_err(|source| PersistError::Damaged {
+        path: path.to_path_buf(),
+        source,
+    })
+}

@@ -1,0 +1,350 @@
+//! The switch plan: what to do with one drive, given the policy's decision and what the drive
+//! is doing now. Pure: no I/O, no clock, no lock; the executor (`switch.rs`) does the work.
+//!
+//! ```text
+//!                 decision: qemu (reasons)                 decision: direct
+//!   held    ──────────────────────────────► qemu  ◄────────────────────────── held
+//!   direct  ──────────────────────────────► qemu       (held ──► direct at once)
+//!   qemu    ──► stay | retune throttle | re-create (export gone, throttle on/off)
+//!   qemu    ──── decision direct, quiet period over (or urgent) ────────────► direct
+//!   direct  ──── decision direct ──► stay
+//! ```
+
+use std::time::Duration;
+
+use accel_api::control::ThrottleLimits;
+use accel_api::status::EngineKind;
+use policy::{Decision, ServeSpec};
+
+/// The quiet-period timer: started when the rules first allow direct for a drive on the qemu
+/// engine; the drive moves when it has run for the whole period.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quiet {
+    NotRunning,
+    /// Running for this long.
+    Running(Duration),
+}
+
+/// Everything the plan looks at.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanInput<'a> {
+    /// The policy's answer, with an operator throttle already folded in as a reason.
+    pub decision: &'a Decision,
+    /// Where the drive is served now.
+    pub engine: EngineKind,
+    /// QEMU has a vhost-user-blk-pci device on the drive's socket.
+    pub has_device: bool,
+    /// The throttle the operator asked for.
+    pub want_throttle: Option<&'a ThrottleLimits>,
+    /// The throttle QEMU has now (qemu engine only).
+    pub applied_throttle: Option<&'a ThrottleLimits>,
+    /// acceld's NBD export of the drive exists in QEMU.
+    pub export_present: bool,
+    pub quiet: Quiet,
+    pub quiet_period: Duration,
+    /// An operator asked: skip the quiet period.
+    pub urgent: bool,
+}
+
+/// Why a drive goes to (or is re-created on) the qemu engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToQemu {
+    /// The policy wants QEMU's block layer.
+    Decision,
+    /// On the qemu engine, but acceld's export is gone (someone deleted it).
+    ExportGone,
+    /// On the qemu engine, and a throttle was added or removed: the graph must change.
+    ThrottleChanged,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Nothing to do.
+    Stay,
+    /// Direct is allowed, but the quiet period is not over.
+    WaitQuiet,
+    /// Serve the image directly. `lift_throttle`: QEMU throttles the drive now; lift its
+    /// limits first, or the drain waits for every request the throttle holds back.
+    ToDirect {
+        spec: ServeSpec,
+        lift_throttle: bool,
+    },
+    /// Serve through QEMU's block layer (again).
+    ToQemu(ToQemu),
+    /// New limits on the drive's throttle group: no switch needed.
+    Retune(ThrottleLimits),
+}
+
+/// What the executor does to the quiet timer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Timer {
+    Keep,
+    /// Start it unless it runs.
+    Start,
+    Stop,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    pub action: Action,
+    pub timer: Timer,
+}
+
+fn plan_of(action: Action, timer: Timer) -> Plan {
+    Plan { action, timer }
+}
+
+/// The plan for one drive.
+pub fn plan(i: &PlanInput<'_>) -> Plan {
+    if !i.has_device {
+        // Nothing uses the socket: no QEMU node to move to or from.
+        return plan_of(Action::Stay, Timer::Keep);
+    }
+    match (i.decision, i.engine) {
+        (Decision::Accelerate(_), EngineKind::Direct) => plan_of(Action::Stay, Timer::Stop),
+        (Decision::Accelerate(spec), EngineKind::Held) => plan_of(
+            Action::ToDirect {
+                spec: spec.clone(),
+                lift_throttle: false,
+            },
+            Timer::Keep,
+        ),
+        (Decision::Accelerate(spec), EngineKind::Qemu) => {
+            let elapsed = match i.quiet {
+                Quiet::NotRunning => Duration::ZERO,
+                Quiet::Running(d) => d,
+            };
+            if !i.urgent && elapsed < i.quiet_period {
+                return plan_of(Action::WaitQuiet, Timer::Start);
+            }
+            plan_of(
+                Action::ToDirect {
+                    spec: spec.clone(),
+                    lift_throttle: i.applied_throttle.is_some(),
+                },
+                Timer::Start,
+            )
+        }
+        (Decision::Qemu(_), EngineKind::Direct | EngineKind::Held) => {
+            plan_of(Action::ToQemu(ToQemu::Decision), Timer::Stop)
+        }
+        (Decision::Qemu(_), EngineKind::Qemu) => {
+            let action = if !i.export_present {
+                Action::ToQemu(ToQemu::ExportGone)
+            } else {
+                match (i.want_throttle, i.applied_throttle) {
+                    (Some(w), Some(h)) if w != h => Action::Retune(w.clone()),
+                    (Some(_), None) | (None, Some(_)) => Action::ToQemu(ToQemu::ThrottleChanged),
+                    _ => Action::Stay,
+                }
+            };
+            plan_of(action, Timer::Stop)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use policy::Reason;
+
+    fn spec() -> ServeSpec {
+        ServeSpec {
+            image: "/img".into(),
+            read_only: false,
+            direct: true,
+            discard: "unmap".into(),
+            logical_block_size: 512,
+            queues: 1,
+            serial: None,
+            block_device: false,
+        }
+    }
+
+    fn lim(iops: u64) -> ThrottleLimits {
+        ThrottleLimits {
+            iops_total: Some(iops),
+            ..Default::default()
+        }
+    }
+
+    const Q: Duration = Duration::from_secs(1);
+
+    struct Case {
+        name: &'static str,
+        accel: bool,
+        engine: EngineKind,
+        device: bool,
+        want: Option<u64>,
+        have: Option<u64>,
+        export: bool,
+        quiet: Quiet,
+        urgent: bool,
+        action: &'static str,
+        timer: Timer,
+    }
+
+    fn run(c: &Case) -> Plan {
+        let dec = if c.accel {
+            Decision::Accelerate(spec())
+        } else {
+            Decision::Qemu(vec![Reason::Throttle])
+        };
+        let want = c.want.map(lim);
+        let have = c.have.map(lim);
+        plan(&PlanInput {
+            decision: &dec,
+            engine: c.engine,
+            has_device: c.device,
+            want_throttle: want.as_ref(),
+            applied_throttle: have.as_ref(),
+            export_present: c.export,
+            quiet: c.quiet,
+            quiet_period: Q,
+            urgent: c.urgent,
+        })
+    }
+
+    fn name(a: &Action) -> String {
+        match a {
+            Action::Stay => "stay".into(),
+            Action::WaitQuiet => "wait-quiet".into(),
+            Action::ToDirect { lift_throttle, .. } => {
+                format!("direct{}", if *lift_throttle { "+lift" } else { "" })
+            }
+            Action::ToQemu(ToQemu::Decision) => "qemu".into(),
+            Action::ToQemu(ToQemu::ExportGone) => "qemu:export-gone".into(),
+            Action::ToQemu(ToQemu::ThrottleChanged) => "qemu:throttle".into(),
+            Action::Retune(l) => format!("retune:{}", l.iops_total.unwrap_or(0)),
+        }
+    }
+
+    use EngineKind::{Direct, Held, Qemu};
+    use Quiet::{NotRunning, Running};
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[rustfmt::skip]
+    fn cases() -> Vec<Case> {
+        let c = |name, accel, engine, device, want, have, export, quiet, urgent, action, timer| Case {
+            name, accel, engine, device, want, have, export, quiet, urgent, action, timer,
+        };
+        vec![
+            // name                                  accel  engine device want     have     export quiet              urgent action              timer
+            c("no device: nothing to move",          true,  Held,   false, None,    None,    false, NotRunning,        false, "stay",             Timer::Keep),
+            c("no device, qemu wanted",              false, Direct, false, Some(5), None,    false, NotRunning,        true,  "stay",             Timer::Keep),
+            c("direct and allowed",                  true,  Direct, true,  None,    None,    false, NotRunning,        false, "stay",             Timer::Stop),
+            c("direct, a stale timer is stopped",    true,  Direct, true,  None,    None,    false, Running(MS(5)),    false, "stay",             Timer::Stop),
+            c("held, allowed: direct at once",       true,  Held,   true,  None,    None,    false, NotRunning,        false, "direct",           Timer::Keep),
+            c("qemu, allowed, quiet just started",   true,  Qemu,   true,  None,    None,    true,  NotRunning,        false, "wait-quiet",       Timer::Start),
+            c("qemu, allowed, quiet running",        true,  Qemu,   true,  None,    None,    true,  Running(MS(999)),  false, "wait-quiet",       Timer::Start),
+            c("qemu, allowed, quiet over",           true,  Qemu,   true,  None,    None,    true,  Running(MS(1000)), false, "direct",           Timer::Start),
+            c("qemu, allowed, urgent",               true,  Qemu,   true,  None,    None,    true,  NotRunning,        true,  "direct",           Timer::Start),
+            c("qemu, cleared throttle still on",     true,  Qemu,   true,  None,    Some(5), true,  Running(MS(2000)), false, "direct+lift",      Timer::Start),
+            c("qemu, allowed, export gone: direct",  true,  Qemu,   true,  None,    None,    false, Running(MS(2000)), false, "direct",           Timer::Start),
+            c("direct, qemu wanted",                 false, Direct, true,  None,    None,    false, NotRunning,        false, "qemu",             Timer::Stop),
+            c("direct, throttle asked",              false, Direct, true,  Some(5), None,    false, NotRunning,        true,  "qemu",             Timer::Stop),
+            c("held, qemu wanted",                   false, Held,   true,  None,    None,    false, NotRunning,        false, "qemu",             Timer::Stop),
+            c("qemu, as wanted",                     false, Qemu,   true,  None,    None,    true,  NotRunning,        false, "stay",             Timer::Stop),
+            c("qemu, quiet timer stopped",           false, Qemu,   true,  None,    None,    true,  Running(MS(500)),  false, "stay",             Timer::Stop),
+            c("qemu, export deleted by someone",     false, Qemu,   true,  None,    None,    false, NotRunning,        false, "qemu:export-gone", Timer::Stop),
+            c("qemu, export gone beats retune",      false, Qemu,   true,  Some(9), Some(5), false, NotRunning,        false, "qemu:export-gone", Timer::Stop),
+            c("qemu, same throttle",                 false, Qemu,   true,  Some(5), Some(5), true,  NotRunning,        false, "stay",             Timer::Stop),
+            c("qemu, new limits",                    false, Qemu,   true,  Some(9), Some(5), true,  NotRunning,        true,  "retune:9",         Timer::Stop),
+            c("qemu, throttle added",                false, Qemu,   true,  Some(5), None,    true,  NotRunning,        true,  "qemu:throttle",    Timer::Stop),
+            c("qemu, throttle removed, qcow2 stays", false, Qemu,   true,  None,    Some(5), true,  NotRunning,        false, "qemu:throttle",    Timer::Stop),
+        ]
+    }
+
+    #[test]
+    fn table() {
+        for c in cases() {
+            let p = run(&c);
+            assert_eq!(name(&p.action), c.action, "{}", c.name);
+            assert_eq!(p.timer, c.timer, "{}", c.name);
+        }
+    }
+
+    /// Every combination of the inputs: the rules that must hold whatever the case.
+    #[test]
+    fn every_combination_keeps_the_invariants() {
+        let mut n = 0;
+        for accel in [true, false] {
+            for engine in [Held, Direct, Qemu] {
+                for device in [true, false] {
+                    for want in [None, Some(5), Some(9)] {
+                        for have in [None, Some(5), Some(9)] {
+                            for export in [true, false] {
+                                for quiet in [NotRunning, Running(MS(10)), Running(MS(5000))] {
+                                    for urgent in [true, false] {
+                                        let c = Case {
+                                            name: "",
+                                            accel,
+                                            engine,
+                                            device,
+                                            want,
+                                            have,
+                                            export,
+                                            quiet,
+                                            urgent,
+                                            action: "",
+                                            timer: Timer::Keep,
+                                        };
+                                        let p = run(&c);
+                                        n += 1;
+                                        let a = &p.action;
+                                        if !device {
+                                            assert_eq!(*a, Action::Stay);
+                                            continue;
+                                        }
+                                        // Never direct against the rules, never QEMU when
+                                        // direct is allowed.
+                                        if !accel {
+                                            assert!(!matches!(
+                                                a,
+                                                Action::ToDirect { .. } | Action::WaitQuiet
+                                            ));
+                                        } else {
+                                            assert!(!matches!(
+                                                a,
+                                                Action::ToQemu(_) | Action::Retune(_)
+                                            ));
+                                        }
+                                        // Retune and re-creation only on the qemu engine.
+                                        if engine != Qemu {
+                                            assert!(!matches!(
+                                                a,
+                                                Action::Retune(_)
+                                                    | Action::ToQemu(
+                                                        ToQemu::ExportGone
+                                                            | ToQemu::ThrottleChanged
+                                                    )
+                                            ));
+                                        }
+                                        // A drive already where it belongs does nothing.
+                                        if accel && engine == Direct {
+                                            assert_eq!(*a, Action::Stay);
+                                        }
+                                        // Leaving the qemu engine waits for the quiet period
+                                        // unless urgent.
+                                        if accel && engine == Qemu {
+                                            let over = quiet == Running(MS(5000));
+                                            assert_eq!(
+                                                matches!(a, Action::ToDirect { .. }),
+                                                urgent || over
+                                            );
+                                        }
+                                        if let Action::Retune(l) = a {
+                                            assert_eq!(Some(l.clone()), want.map(lim));
+                                            assert_ne!(want, have);
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(n, 2 * 3 * 2 * 3 * 3 * 2 * 3 * 2);
+    }
+}

@@ -1,0 +1,292 @@
+//! The typed QMP steps acceld performs on a VM's block graph: remove and re-create a drive's
+//! nodes, the throttle group and filter, the NBD server and acceld's export of the drive.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use accel_api::control::ThrottleLimits;
+use policy::NodeView;
+use qmp_client::commands::{
+    BlockExportAdd, BlockExportDel, BlockdevAdd, BlockdevDel, NbdServerStart, ObjectAdd, ObjectDel,
+    QomList, QomSet, QueryBlockExports, QueryNamedBlockNodes,
+};
+use qmp_client::Qmp;
+use serde_json::json;
+use tracing::debug;
+
+use tokio::task::block_in_place;
+
+use super::drive_state::{DriveSlot, Recorded};
+use super::{qmp_run, SupError, Supervisor};
+use crate::engine::nbd;
+use crate::util::lock;
+
+pub(super) fn export_id(drive: &str) -> String {
+    format!("accel-{drive}")
+}
+pub(super) fn filter_node(drive: &str) -> String {
+    format!("accel-throttle-{drive}")
+}
+pub(super) fn group_id(drive: &str) -> String {
+    format!("accel-tg-{drive}")
+}
+
+/// QEMU's `limits` object for a throttle group; absent limits are 0 (unlimited).
+fn limits_value(l: &ThrottleLimits) -> serde_json::Value {
+    serde_json::to_value(l).expect("limits serialize")
+}
+
+/// Sets the limits of the drive's throttle group (no switch).
+pub(super) async fn set_limits(
+    qmp: &Qmp,
+    drive: &str,
+    limits: &ThrottleLimits,
+) -> Result<(), SupError> {
+    qmp_run(
+        qmp,
+        &QomSet {
+            path: group_id(drive),
+            property: "limits".into(),
+            value: limits_value(limits),
+        },
+    )
+    .await
+    .map(|_| ())
+}
+
+/// Lifts every limit of the drive's group (before a drain: the throttle would hold it up).
+pub(super) async fn lift_limits(qmp: &Qmp, drive: &str) {
+    let unlimited = json!({"iops-total": 0, "iops-read": 0, "iops-write": 0,
+                           "bps-total": 0, "bps-read": 0, "bps-write": 0});
+    let r = qmp_run(
+        qmp,
+        &QomSet {
+            path: group_id(drive),
+            property: "limits".into(),
+            value: unlimited,
+        },
+    )
+    .await;
+    if let Err(e) = r {
+        debug!(
+            drive,
+            "cannot lift the limits before the switch: {}",
+            e.chain()
+        );
+    }
+}
+
+async fn has_export(qmp: &Qmp, id: &str) -> Result<bool, SupError> {
+    let ex = qmp_run(qmp, &QueryBlockExports).await?;
+    Ok(ex.iter().any(|e| e.id == id))
+}
+
+impl Supervisor {
+    /// Puts the drive's top node (its throttle filter when throttled) behind acceld's NBD
+    /// export; returns the export's name. The nodes must exist.
+    pub(super) async fn qemu_up(
+        &self,
+        d: &DriveSlot,
+        qmp: &Qmp,
+        nbd_socket: &Path,
+        throttle: Option<&ThrottleLimits>,
+    ) -> Result<String, SupError> {
+        let id = d.id();
+        let top = match throttle {
+            Some(l) => {
+                qmp_run(
+                    qmp,
+                    &ObjectAdd::throttle_group(&group_id(id), limits_value(l)),
+                )
+                .await?;
+                let r = qmp_run(
+                    qmp,
+                    &BlockdevAdd(json!({"driver": "throttle", "node-name": filter_node(id),
+                                        "throttle-group": group_id(id), "file": id})),
+                )
+                .await;
+                if let Err(e) = r {
+                    let _ = qmp_run(qmp, &ObjectDel { id: group_id(id) }).await;
+                    return Err(e);
+                }
+                filter_node(id)
+            }
+            None => id.to_string(),
+        };
+        let r = qmp_run(qmp, &NbdServerStart::unix(&nbd_socket.to_string_lossy())).await;
+        match r {
+            Ok(_) => {}
+            // QEMU has one NBD server and refuses a second start with a GenericError. When
+            // the server greets on acceld's own socket (in the private run dir), acceld
+            // started it before (another drive, or before a restart): go on. Anything else
+            // is a failure.
+            Err(SupError::Qmp { ref source, .. })
+                if source.class() == Some("GenericError")
+                    && block_in_place(|| nbd::greets(nbd_socket, Duration::from_secs(2))) => {}
+            Err(e) => return Err(e),
+        }
+        qmp_run(
+            qmp,
+            &BlockExportAdd::nbd(
+                &export_id(id),
+                &top,
+                !d.spec.read_only,
+                Some(&self.cfg.iothread),
+            )
+            .nbd_named(id),
+        )
+        .await?;
+        Ok(id.to_string())
+    }
+
+    /// Removes acceld's export, throttle filter and throttle group of the drive, if present.
+    pub(super) async fn qemu_down(&self, d: &DriveSlot, qmp: &Qmp) -> Result<(), SupError> {
+        let id = d.id();
+        let export = export_id(id);
+        if has_export(qmp, &export).await? {
+            qmp_run(
+                qmp,
+                &BlockExportDel {
+                    id: export.clone(),
+                    mode: Some("hard".into()),
+                },
+            )
+            .await?;
+            let t0 = Instant::now();
+            while has_export(qmp, &export).await? {
+                if t0.elapsed() > Duration::from_secs(10) {
+                    return Err(SupError::QemuState(format!(
+                        "remove export {export} within 10 s"
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        let nodes = qmp_run(qmp, &QueryNamedBlockNodes::default()).await?;
+        let filter = filter_node(id);
+        if nodes
+            .iter()
+            .any(|n| n["node-name"].as_str() == Some(&filter))
+        {
+            qmp_run(qmp, &BlockdevDel { node_name: filter }).await?;
+        }
+        let objs = qmp_run(
+            qmp,
+            &QomList {
+                path: "/objects".into(),
+            },
+        )
+        .await?;
+        let group = group_id(id);
+        if objs.iter().any(|o| o.name == group) {
+            qmp_run(qmp, &ObjectDel { id: group }).await?;
+        }
+        lock(&d.graph).applied_throttle = None;
+        Ok(())
+    }
+
+    /// Deletes the drive's nodes from QEMU, recording them for [`Self::restore_nodes`].
+    pub(super) async fn remove_nodes(&self, d: &DriveSlot, qmp: &Qmp) -> Result<(), SupError> {
+        if lock(&d.graph).nodes_removed {
+            return Ok(());
+        }
+        let view = lock(&d.observed).last_view.clone().ok_or_else(|| {
+            SupError::QemuState("show the drive's nodes before the switch".into())
+        })?;
+        let node = view
+            .node
+            .clone()
+            .ok_or_else(|| SupError::NotFound(format!("QEMU has no node {}", d.spec.id)))?;
+        lock(&d.graph).recorded = Some(Recorded {
+            node: node.clone(),
+            protocol: view.protocol.clone(),
+        });
+        // Persist the recipe before the nodes go away.
+        self.save();
+        qmp_run(
+            qmp,
+            &BlockdevDel {
+                node_name: node.name.clone(),
+            },
+        )
+        .await?;
+        if let Some(p) = &view.protocol {
+            let r = qmp_run(
+                qmp,
+                &BlockdevDel {
+                    node_name: p.name.clone(),
+                },
+            )
+            .await;
+            if let Err(e) = r {
+                let _ = self.add_nodes(d, qmp, false).await;
+                return Err(e);
+            }
+        }
+        lock(&d.graph).nodes_removed = true;
+        self.save();
+        Ok(())
+    }
+
+    /// Re-creates nodes removed by [`Self::remove_nodes`].
+    pub(super) async fn restore_nodes(&self, d: &DriveSlot, qmp: &Qmp) -> Result<(), SupError> {
+        if !lock(&d.graph).nodes_removed {
+            return Ok(());
+        }
+        self.add_nodes(d, qmp, true).await?;
+        lock(&d.graph).nodes_removed = false;
+        self.save();
+        Ok(())
+    }
+
+    async fn add_nodes(
+        &self,
+        d: &DriveSlot,
+        qmp: &Qmp,
+        protocol_too: bool,
+    ) -> Result<(), SupError> {
+        let rec = lock(&d.graph)
+            .recorded
+            .clone()
+            .ok_or_else(|| SupError::QemuState("record the drive's nodes".into()))?;
+        let discard = d.spec.discard.as_str();
+        let node_opts = |n: &NodeView| {
+            json!({
+                "node-name": n.name,
+                "read-only": n.read_only,
+                "discard": discard,
+                "cache": {"direct": n.cache_direct, "no-flush": n.cache_no_flush},
+                "driver": n.driver,
+            })
+        };
+        match &rec.protocol {
+            Some(p) => {
+                if protocol_too {
+                    let mut a = node_opts(p);
+                    a["filename"] = p.filename.clone().into();
+                    qmp_run(qmp, &BlockdevAdd(a)).await?;
+                }
+                let mut a = node_opts(&rec.node);
+                a["file"] = p.name.clone().into();
+                if let Err(e) = qmp_run(qmp, &BlockdevAdd(a)).await {
+                    if protocol_too {
+                        let _ = qmp_run(
+                            qmp,
+                            &BlockdevDel {
+                                node_name: p.name.clone(),
+                            },
+                        )
+                        .await;
+                    }
+                    return Err(e);
+                }
+            }
+            None => {
+                let mut a = node_opts(&rec.node);
+                a["filename"] = rec.node.filename.clone().into();
+                qmp_run(qmp, &BlockdevAdd(a)).await?;
+            }
+        }
+        Ok(())
+    }
+}

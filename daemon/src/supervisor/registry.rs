@@ -1,0 +1,350 @@
+//! The VM map: register (serve the sockets at once), restore after a restart, unregister.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use accel_api::control::{check_id, DriveSpec};
+use accel_api::status::EngineKind;
+use serde::Serialize;
+use tokio::task::block_in_place;
+use tracing::{info, warn};
+
+use super::drive_state::{DriveSlot, GraphRecord, Intent, Placement};
+use super::persist::{self, SavedDrive};
+use super::vm::Vm;
+use super::{SupError, Supervisor};
+use crate::drive::{Drive, DriveConfig, DriveConfigError};
+use crate::engine::{image_size, Engine, FileEngine, HeldEngine};
+use crate::util::lock;
+use crate::vhost::Server;
+
+/// What `register` answers.
+#[derive(Clone, Debug, Serialize)]
+pub struct Registered {
+    pub vm: String,
+    pub sockets: Vec<PathBuf>,
+}
+
+/// What `unregister` answers.
+#[derive(Clone, Debug, Serialize)]
+pub struct Unregistered {
+    pub vm: String,
+    /// Drives whose nodes acceld gave back to QEMU.
+    pub nodes_restored: Vec<String>,
+}
+
+/// What `attach` and `detach` answer.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttachState {
+    pub vm: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attached: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attaching: Option<bool>,
+}
+
+impl Supervisor {
+    /// Registers again every VM of the state file (after a restart). Drives that were direct
+    /// are served directly at once; the others wait for the re-attach.
+    pub fn restore(self: &Arc<Self>) -> Result<usize, SupError> {
+        let st = persist::load(&self.cfg.state_path())?;
+        let n = st.vms.len();
+        for vm in st.vms {
+            let name = vm.name.clone();
+            if let Err(e) = self.register_inner(vm.name, vm.qmp, vm.cont, vm.drives) {
+                warn!(vm = %name, "cannot restore: {}", e.chain());
+            }
+        }
+        Ok(n)
+    }
+
+    pub fn register(
+        self: &Arc<Self>,
+        vm: String,
+        qmp: PathBuf,
+        drives: Vec<DriveSpec>,
+        cont: bool,
+    ) -> Result<Registered, SupError> {
+        check_id("VM name", &vm).map_err(|e| SupError::Invalid(e.0))?;
+        if drives.is_empty() {
+            return Err(SupError::Invalid(format!("VM {vm}: no drive given")));
+        }
+        for (i, d) in drives.iter().enumerate() {
+            d.validate().map_err(|e| SupError::Invalid(e.0))?;
+            if drives[..i].iter().any(|o| o.id == d.id) {
+                return Err(SupError::Invalid(format!("drive id {} given twice", d.id)));
+            }
+        }
+        if !qmp.is_absolute() {
+            return Err(SupError::Invalid(format!(
+                "QMP socket {} is not an absolute path",
+                qmp.display()
+            )));
+        }
+        let saved = drives.into_iter().map(SavedDrive::new).collect();
+        let vmr = self.register_inner(vm, qmp, cont, saved)?;
+        self.save();
+        Ok(Registered {
+            vm: vmr.name.clone(),
+            sockets: vmr.drives.values().map(|d| d.socket.clone()).collect(),
+        })
+    }
+
+    fn register_inner(
+        self: &Arc<Self>,
+        name: String,
+        qmp: PathBuf,
+        cont: bool,
+        drives: Vec<SavedDrive>,
+    ) -> Result<Arc<Vm>, SupError> {
+        if lock(&self.vms).contains_key(&name) {
+            return Err(SupError::Exists(format!("VM {name} is already registered")));
+        }
+        let dir = self.cfg.run_dir.join(&name);
+        create_private_dir(&dir)?;
+        let mut slots = BTreeMap::new();
+        for sd in drives {
+            match self.start_drive(&dir, sd) {
+                Ok(s) => {
+                    slots.insert(s.spec.id.clone(), s);
+                }
+                Err(e) => {
+                    for s in slots.values() {
+                        s.stop_server();
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let vm = Arc::new(Vm::new(name.clone(), qmp, cont, dir, slots));
+        lock(&self.vms).insert(name.clone(), vm.clone());
+        info!(vm = %name, drives = vm.drives.len(), "registered");
+        self.spawn_vm_task(&vm);
+        Ok(vm)
+    }
+
+    fn start_drive(&self, dir: &Path, sd: SavedDrive) -> Result<Arc<DriveSlot>, SupError> {
+        let spec = sd.spec;
+        if !spec.image.exists() {
+            return Err(SupError::Invalid(format!(
+                "drive {}: image {} does not exist",
+                spec.id,
+                spec.image.display()
+            )));
+        }
+        let size = if spec.format == "raw" {
+            image_size(&spec.image).map_err(|source| SupError::Io {
+                what: format!("cannot read the size of {}", spec.image.display()),
+                source,
+            })?
+        } else {
+            qemu_img_virtual_size(&spec.image)?
+        };
+        let socket = dir.join(format!("{}.sock", spec.id));
+        if socket.as_os_str().len() >= 108 {
+            return Err(SupError::Invalid(format!(
+                "socket path {} is too long for a unix socket; use a shorter run dir",
+                socket.display()
+            )));
+        }
+        let cfg = DriveConfig {
+            name: spec.id.clone(),
+            serial: spec.serial.clone().unwrap_or_else(|| spec.id.clone()),
+            capacity_bytes: size,
+            logical_block_size: spec.logical_block_size,
+            read_only: spec.read_only,
+            num_queues: spec.queues,
+            queue_size: 1024,
+            discard: spec.discard,
+            poll_us: self.cfg.poll_us,
+        }
+        .checked()
+        .map_err(|e| match e {
+            DriveConfigError::TooSmall { size, .. } => SupError::Invalid(format!(
+                "drive {}: image {} holds {size} bytes, less than one block",
+                spec.id,
+                spec.image.display()
+            )),
+            e => SupError::Invalid(format!("drive {}: {e}", spec.id)),
+        })?;
+        // A drive that was direct before a restart goes on directly at once (its QEMU nodes
+        // are still removed); everything else waits for the supervisor.
+        let mut direct_spec = None;
+        let (engine, kind): (Arc<dyn Engine>, EngineKind) = match (&sd.recorded, sd.engine) {
+            (Some(rec), EngineKind::Direct) if sd.nodes_removed => {
+                let path = rec
+                    .protocol
+                    .as_ref()
+                    .map(|p| PathBuf::from(&p.filename))
+                    .unwrap_or_else(|| PathBuf::from(&rec.node.filename));
+                let serve = policy::ServeSpec {
+                    image: path,
+                    read_only: spec.read_only,
+                    direct: spec.direct,
+                    discard: spec.discard.as_str().into(),
+                    logical_block_size: spec.logical_block_size,
+                    queues: spec.queues,
+                    serial: spec.serial.clone(),
+                    block_device: false,
+                };
+                let fcfg = super::switch::file_config(&spec, &serve);
+                direct_spec = Some(serve);
+                let e = FileEngine::open_waiting(fcfg, Duration::from_secs(5))?;
+                (Arc::new(e), EngineKind::Direct)
+            }
+            _ => (Arc::new(HeldEngine), EngineKind::Held),
+        };
+        let drive = Drive::new(cfg, engine);
+        let server = Server::bind(&socket, drive.clone())?;
+        set_mode(&socket, 0o600)?;
+        let stop = server.shutdown_handle();
+        let id = spec.id.clone();
+        let mut server = server;
+        let thread = std::thread::Builder::new()
+            .name(format!("vu-{}", id.chars().take(12).collect::<String>()))
+            .spawn(move || {
+                if let Err(e) = server.run() {
+                    warn!(drive = %id, "vhost-user server ended: {e}");
+                }
+            })
+            .map_err(|source| SupError::Io {
+                what: "cannot spawn a server thread".into(),
+                source,
+            })?;
+        info!(drive = %spec.id, socket = %socket.display(), engine = kind.as_str(), "serving");
+        Ok(Arc::new(DriveSlot::new(
+            spec,
+            socket,
+            drive,
+            (stop, thread),
+            Placement {
+                engine: kind,
+                since: SystemTime::now(),
+                direct_spec,
+                accel_since: None,
+            },
+            Intent {
+                pin: sd.pin,
+                pin_persistent: sd.pin.is_some(),
+                throttle: sd.throttle,
+            },
+            GraphRecord {
+                device: None,
+                nodes_removed: sd.nodes_removed,
+                recorded: sd.recorded,
+                applied_throttle: None,
+            },
+        )))
+    }
+
+    /// Hands the drives back to QEMU (when it is reachable) and stops serving them.
+    pub async fn unregister(self: &Arc<Self>, name: &str) -> Result<Unregistered, SupError> {
+        let vm = self.vm(name)?;
+        vm.stop_task();
+        let mut handed = Vec::new();
+        if let Ok(qmp) = vm.qmp() {
+            for d in vm.drives.values() {
+                let _g = d.op.lock().await;
+                match d.engine_kind() {
+                    EngineKind::Direct => {
+                        // Give QEMU its nodes back; the guest's device loses its server anyway.
+                        let paused = block_in_place(|| d.drive.pause())?;
+                        d.drive.engine().release();
+                        let r = self.restore_nodes(d, &qmp).await;
+                        let _ = block_in_place(|| paused.resume(Arc::new(HeldEngine)));
+                        d.set_engine(EngineKind::Held);
+                        r?;
+                        handed.push(d.spec.id.clone());
+                    }
+                    EngineKind::Qemu => {
+                        d.drive.engine().release();
+                        let _ = self.qemu_down(d, &qmp).await;
+                    }
+                    EngineKind::Held => {}
+                }
+            }
+        }
+        self.forget_vm(&vm);
+        Ok(Unregistered {
+            vm: name.to_string(),
+            nodes_restored: handed,
+        })
+    }
+
+    pub(super) fn forget_vm(&self, vm: &Arc<Vm>) {
+        lock(&self.vms).remove(&vm.name);
+        for d in vm.drives.values() {
+            d.stop_server();
+        }
+        let _ = std::fs::remove_file(vm.nbd_socket());
+        let _ = std::fs::remove_dir(&vm.dir);
+        vm.set_qmp(None);
+        self.save();
+        info!(vm = %vm.name, "unregistered; sockets removed");
+    }
+
+    pub fn detach(&self, name: &str) -> Result<AttachState, SupError> {
+        let vm = self.vm(name)?;
+        vm.stop_task();
+        Ok(AttachState {
+            vm: name.to_string(),
+            attached: Some(false),
+            attaching: None,
+        })
+    }
+
+    pub fn attach(self: &Arc<Self>, name: &str) -> Result<AttachState, SupError> {
+        let vm = self.vm(name)?;
+        vm.stop_task();
+        self.spawn_vm_task(&vm);
+        Ok(AttachState {
+            vm: name.to_string(),
+            attached: None,
+            attaching: Some(true),
+        })
+    }
+}
+
+fn create_private_dir(dir: &Path) -> Result<(), SupError> {
+    std::fs::create_dir_all(dir).map_err(|source| SupError::Io {
+        what: format!("cannot create {}", dir.display()),
+        source,
+    })?;
+    set_mode(dir, 0o700)
+}
+
+fn set_mode(p: &Path, mode: u32) -> Result<(), SupError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(|source| {
+        SupError::Io {
+            what: format!("cannot set the mode of {}", p.display()),
+            source,
+        }
+    })
+}
+
+/// The guest-visible size of a non-raw image (`qemu-img info -U`).
+fn qemu_img_virtual_size(image: &Path) -> Result<u64, SupError> {
+    let out = std::process::Command::new("qemu-img")
+        .args(["info", "-U", "--output=json"])
+        .arg(image)
+        .output()
+        .map_err(|source| SupError::Io {
+            what: "cannot run qemu-img (qemu-utils)".into(),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(SupError::Invalid(format!(
+            "qemu-img info {}: {}",
+            image.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| SupError::Parse(format!("qemu-img info: {e}")))?;
+    v["virtual-size"]
+        .as_u64()
+        .ok_or_else(|| SupError::Parse("qemu-img info has no virtual-size".into()))
+}

@@ -1,0 +1,130 @@
+//! What `status` answers, typed ([`accel_api::status`]), and the rates sampled for it.
+
+use std::sync::atomic::Ordering;
+use std::time::{Instant, SystemTime};
+
+use accel_api::status::{DriveStatus, PauseStats, PinKind, Status, VmStatus};
+use policy::Pin;
+
+use super::drive_state::DriveSlot;
+use super::vm::Vm;
+use super::Supervisor;
+use crate::drive::LatencyHistogram;
+use crate::util::lock;
+
+pub(super) fn drive_status(vm: &Vm, d: &DriveSlot) -> DriveStatus {
+    let s = &d.drive.stats;
+    let (engine, since) = {
+        let p = lock(&d.placement);
+        let since = p
+            .since
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|t| t.as_secs())
+            .unwrap_or(0);
+        (p.engine, since)
+    };
+    let (reasons, reason_sentences) = {
+        let o = lock(&d.observed);
+        (
+            o.reasons.iter().map(|r| r.code()).collect(),
+            o.reasons.iter().map(|r| r.sentence()).collect(),
+        )
+    };
+    let (pin, throttle) = {
+        let i = lock(&d.intent);
+        let pin = i.pin.map(|p| match p {
+            Pin::Qemu => PinKind::Qemu,
+            Pin::Direct => PinKind::Direct,
+        });
+        (pin, i.throttle.clone())
+    };
+    let st = lock(&d.stats);
+    let nbd_errors = st
+        .nbd
+        .as_ref()
+        .map(|n| n.errors.load(Ordering::Relaxed))
+        .unwrap_or(0);
+    let nbd_last = st.nbd.as_ref().and_then(|n| lock(&n.last_error).clone());
+    DriveStatus {
+        vm: vm.name.clone(),
+        drive: d.spec.id.clone(),
+        device: lock(&d.graph).device.clone(),
+        socket: d.socket.clone(),
+        image: d.spec.image.clone(),
+        format: d.spec.format.clone(),
+        engine,
+        since,
+        reasons,
+        reason_sentences,
+        pin,
+        throttle,
+        switches: s.switches.load(Ordering::Relaxed),
+        failed_switches: st.failed_switches,
+        last_pause_us: s.last_pause_us.load(Ordering::Relaxed),
+        pauses_to_direct: PauseStats::of(&st.to_direct_us),
+        pauses_to_qemu: PauseStats::of(&st.to_qemu_us),
+        iops: (st.rates.iops * 10.0).round() / 10.0,
+        mbps: (st.rates.mbps * 100.0).round() / 100.0,
+        p99_us: st.rates.p99_us,
+        in_flight: s.in_flight.load(Ordering::Relaxed),
+        reads: s.reads.load(Ordering::Relaxed),
+        writes: s.writes.load(Ordering::Relaxed),
+        bytes_read: s.bytes_read.load(Ordering::Relaxed),
+        bytes_written: s.bytes_written.load(Ordering::Relaxed),
+        errors: s.io_errors.load(Ordering::Relaxed),
+        nbd_errors,
+        last_error: st.last_error.clone().or(nbd_last),
+        io: s.acct.counters(),
+    }
+}
+
+impl Supervisor {
+    /// Updates every drive's rates (called about once a second).
+    pub fn sample_rates(&self) {
+        for vm in self.all_vms() {
+            for d in vm.drives.values() {
+                let s = &d.drive.stats;
+                let ops = s.reads.load(Ordering::Relaxed) + s.writes.load(Ordering::Relaxed);
+                let bytes =
+                    s.bytes_read.load(Ordering::Relaxed) + s.bytes_written.load(Ordering::Relaxed);
+                let lat = s.latency.snapshot();
+                let now = Instant::now();
+                let mut st = lock(&d.stats);
+                let r = &mut st.rates;
+                if let (Some(at), Some(prev)) = (r.at, r.lat) {
+                    let dt = now.duration_since(at).as_secs_f64().max(1e-3);
+                    r.iops = (ops - r.ops.min(ops)) as f64 / dt;
+                    r.mbps = (bytes - r.bytes.min(bytes)) as f64 / dt / 1e6;
+                    let diff: [u64; 40] = std::array::from_fn(|i| lat[i] - prev[i].min(lat[i]));
+                    r.p99_us = LatencyHistogram::quantile_us(&diff, 0.99);
+                }
+                r.at = Some(now);
+                r.ops = ops;
+                r.bytes = bytes;
+                r.lat = Some(lat);
+            }
+        }
+    }
+
+    pub fn status(&self) -> Status {
+        Status {
+            vms: self
+                .all_vms()
+                .iter()
+                .map(|vm| VmStatus {
+                    vm: vm.name.clone(),
+                    qmp: vm.qmp_path.clone(),
+                    attached: vm.qmp().is_ok(),
+                    run_state: lock(&vm.run_state).clone(),
+                    attach_error: lock(&vm.attach_error).clone(),
+                    drives: vm.drives.values().map(|d| drive_status(vm, d)).collect(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Prometheus text exposition of every drive's counters.
+    pub fn metrics(&self) -> String {
+        self.status().prometheus()
+    }
+}

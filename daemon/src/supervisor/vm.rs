@@ -1,0 +1,369 @@
+//! One VM: its drives, its QMP connection, and its task (attach, find the devices, watch QEMU's
+//! events, reconcile every drive).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use qmp_client::commands::{Cont, ObjectAdd, QomGet, QomList, QueryChardev, QueryStatus};
+use qmp_client::Qmp;
+use tracing::{debug, info, warn};
+
+use super::drive_state::DriveSlot;
+use super::persist::{SavedDrive, SavedVm};
+use super::plan::{self, Action, PlanInput, Quiet, Timer};
+use super::{observe, qmp_run, SupError, Supervisor};
+use crate::util::lock;
+
+pub struct Vm {
+    pub name: String,
+    pub qmp_path: PathBuf,
+    pub cont: bool,
+    pub dir: PathBuf,
+    pub drives: BTreeMap<String, Arc<DriveSlot>>,
+    qmp: Mutex<Option<Arc<Qmp>>>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    pub(super) attach_error: Mutex<Option<String>>,
+    pub(super) run_state: Mutex<String>,
+    continued: AtomicBool,
+}
+
+impl Vm {
+    pub(super) fn new(
+        name: String,
+        qmp_path: PathBuf,
+        cont: bool,
+        dir: PathBuf,
+        drives: BTreeMap<String, Arc<DriveSlot>>,
+    ) -> Self {
+        Vm {
+            name,
+            qmp_path,
+            cont,
+            dir,
+            drives,
+            qmp: Mutex::new(None),
+            task: Mutex::new(None),
+            attach_error: Mutex::new(None),
+            run_state: Mutex::new(String::new()),
+            continued: AtomicBool::new(false),
+        }
+    }
+
+    pub(super) fn qmp(&self) -> Result<Arc<Qmp>, SupError> {
+        lock(&self.qmp)
+            .clone()
+            .filter(|q| !q.is_closed())
+            .ok_or_else(|| SupError::NotAttached(self.name.clone()))
+    }
+
+    pub(super) fn set_qmp(&self, q: Option<Arc<Qmp>>) {
+        *lock(&self.qmp) = q;
+    }
+
+    pub(super) fn nbd_socket(&self) -> PathBuf {
+        self.dir.join("nbd.sock")
+    }
+
+    pub(super) fn drive(&self, id: &str) -> Result<Arc<DriveSlot>, SupError> {
+        self.drives
+            .get(id)
+            .cloned()
+            .ok_or_else(|| SupError::NotFound(format!("VM {} has no drive {id}", self.name)))
+    }
+
+    /// Ends the VM's task (if any) and drops its QMP connection.
+    pub(super) fn stop_task(&self) {
+        if let Some(t) = lock(&self.task).take() {
+            t.abort();
+        }
+        self.set_qmp(None);
+    }
+
+    /// The VM as the state file keeps it.
+    pub(super) fn saved(&self) -> SavedVm {
+        SavedVm {
+            name: self.name.clone(),
+            qmp: self.qmp_path.clone(),
+            cont: self.cont,
+            drives: self
+                .drives
+                .values()
+                .map(|d| {
+                    let g = lock(&d.graph);
+                    let i = lock(&d.intent);
+                    SavedDrive {
+                        spec: d.spec.clone(),
+                        engine: d.engine_kind(),
+                        nodes_removed: g.nodes_removed,
+                        recorded: g.recorded.clone(),
+                        pin: if i.pin_persistent { i.pin } else { None },
+                        throttle: i.throttle.clone(),
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// QMP events after which the drives are looked at again.
+fn relevant(event: &str) -> bool {
+    matches!(
+        event,
+        "STOP"
+            | "RESUME"
+            | "SHUTDOWN"
+            | "MIGRATION"
+            | "BLOCK_JOB_COMPLETED"
+            | "BLOCK_JOB_CANCELLED"
+            | "BLOCK_JOB_READY"
+            | "BLOCK_JOB_ERROR"
+            | "BLOCK_JOB_PENDING"
+            | "JOB_STATUS_CHANGE"
+            | "BLOCK_EXPORT_DELETED"
+            | "DEVICE_DELETED"
+    )
+}
+
+impl Supervisor {
+    pub(super) fn spawn_vm_task(self: &Arc<Self>, vm: &Arc<Vm>) {
+        let sup = self.clone();
+        let vm2 = vm.clone();
+        let h = tokio::spawn(async move { sup.vm_task(vm2).await });
+        *lock(&vm.task) = Some(h);
+    }
+
+    async fn vm_task(self: Arc<Self>, vm: Arc<Vm>) {
+        let mut ever_attached = false;
+        loop {
+            match self.attach_once(&vm).await {
+                Ok(()) => {
+                    ever_attached = true;
+                    *lock(&vm.attach_error) = None;
+                    self.watch(&vm).await;
+                }
+                Err(e) => {
+                    let msg = e.chain();
+                    warn!(vm = %vm.name, "attach failed: {msg}");
+                    *lock(&vm.attach_error) = Some(msg);
+                }
+            }
+            vm.set_qmp(None);
+            if self.stopping.load(Ordering::Relaxed) {
+                return;
+            }
+            if ever_attached && !vm.qmp_path.exists() {
+                // QEMU is gone (its QMP socket went with it): detach cleanly.
+                info!(vm = %vm.name, "VM disappeared");
+                self.forget_vm(&vm);
+                return;
+            }
+            if ever_attached {
+                if let Err(e) = qmp_client::connect(&vm.qmp_path).await {
+                    info!(vm = %vm.name, "VM disappeared ({e})");
+                    self.forget_vm(&vm);
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    async fn attach_once(&self, vm: &Arc<Vm>) -> Result<(), SupError> {
+        let attempts = (self.cfg.attach_timeout_ms / 50).max(1) as u32;
+        let qmp = qmp_client::connect_with_retry(&vm.qmp_path, attempts, Duration::from_millis(50))
+            .await
+            .map_err(|source| SupError::Qmp {
+                cmd: "connect".into(),
+                source,
+            })?;
+        let qmp = Arc::new(qmp);
+        qmp.set_timeout(Duration::from_millis(self.cfg.qmp_timeout_ms));
+        find_devices(vm, &qmp).await?;
+        self.ensure_iothread(&qmp).await?;
+        vm.set_qmp(Some(qmp.clone()));
+        info!(vm = %vm.name, "attached");
+        self.reconcile_vm(vm, true).await;
+        Ok(())
+    }
+
+    async fn ensure_iothread(&self, qmp: &Qmp) -> Result<(), SupError> {
+        let objs = qmp_run(
+            qmp,
+            &QomList {
+                path: "/objects".into(),
+            },
+        )
+        .await?;
+        if !objs.iter().any(|o| o.name == self.cfg.iothread) {
+            qmp_run(qmp, &ObjectAdd::iothread(&self.cfg.iothread)).await?;
+        }
+        Ok(())
+    }
+
+    async fn watch(&self, vm: &Arc<Vm>) {
+        let Ok(qmp) = vm.qmp() else { return };
+        let mut events = qmp.events();
+        let mut tick = tokio::time::interval(Duration::from_millis(self.cfg.poll_interval_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                ev = events.recv() => match ev {
+                    Ok(ev) => {
+                        debug!(vm = %vm.name, event = %ev.name, "QMP event");
+                        if relevant(&ev.name) {
+                            // Let a burst of events settle, then look once.
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            while events.try_recv().is_ok() {}
+                            self.reconcile_vm(vm, false).await;
+                        }
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                        self.reconcile_vm(vm, false).await;
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                },
+                _ = tick.tick() => {
+                    if qmp.is_closed() {
+                        return;
+                    }
+                    self.reconcile_vm(vm, false).await;
+                }
+            }
+        }
+    }
+
+    /// Looks at every drive of the VM, then `cont`s a VM registered with `--cont` once every
+    /// drive has an engine.
+    pub(super) async fn reconcile_vm(&self, vm: &Arc<Vm>, urgent: bool) {
+        let Ok(qmp) = vm.qmp() else { return };
+        for d in vm.drives.values() {
+            if let Err(e) = self.reconcile(vm, d, &qmp, urgent).await {
+                let msg = e.chain();
+                warn!(vm = %vm.name, drive = %d.spec.id, "{msg}");
+                lock(&d.stats).last_error = Some(msg);
+            }
+        }
+        if let Ok(st) = qmp_run(&qmp, &QueryStatus).await {
+            *lock(&vm.run_state) = st.status.clone();
+            let all_served = vm
+                .drives
+                .values()
+                .all(|d| d.engine_kind() != accel_api::status::EngineKind::Held);
+            if vm.cont
+                && st.status == "prelaunch"
+                && all_served
+                && !vm.continued.swap(true, Ordering::Relaxed)
+            {
+                match qmp_run(&qmp, &Cont).await {
+                    Ok(_) => info!(vm = %vm.name, "every drive has an engine: cont"),
+                    Err(e) => warn!(vm = %vm.name, "cont failed: {}", e.chain()),
+                }
+            }
+        }
+        self.save();
+    }
+
+    /// Looks at one drive: observe QEMU, decide, plan, execute.
+    pub(super) async fn reconcile(
+        &self,
+        vm: &Arc<Vm>,
+        d: &Arc<DriveSlot>,
+        qmp: &Arc<Qmp>,
+        urgent: bool,
+    ) -> Result<(), SupError> {
+        let _g = d.op.lock().await;
+        if !d.has_device() {
+            return Ok(());
+        }
+        let snap = observe::snapshot(qmp).await?;
+        let view = observe::view(d, &snap);
+        let decision = observe::decide(d, &view);
+        {
+            let mut o = lock(&d.observed);
+            o.reasons = match &decision {
+                policy::Decision::Qemu(r) => r.clone(),
+                policy::Decision::Accelerate(_) => Vec::new(),
+            };
+            o.last_view = Some(view);
+        }
+        let want = lock(&d.intent).throttle.clone();
+        let have = lock(&d.graph).applied_throttle.clone();
+        let accel_since = lock(&d.placement).accel_since;
+        let p = plan::plan(&PlanInput {
+            decision: &decision,
+            engine: d.engine_kind(),
+            has_device: true,
+            want_throttle: want.as_ref(),
+            applied_throttle: have.as_ref(),
+            export_present: snap.has_export(d.id()),
+            quiet: accel_since.map_or(Quiet::NotRunning, |t| Quiet::Running(t.elapsed())),
+            quiet_period: self.cfg.quiet_period(),
+            urgent,
+        });
+        match p.timer {
+            Timer::Keep => {}
+            Timer::Start => {
+                lock(&d.placement)
+                    .accel_since
+                    .get_or_insert_with(Instant::now);
+            }
+            Timer::Stop => lock(&d.placement).accel_since = None,
+        }
+        if matches!(p.action, Action::Stay | Action::WaitQuiet) {
+            return Ok(());
+        }
+        self.execute(vm, d, qmp, p.action).await
+    }
+}
+
+/// Maps each registered drive to its vhost-user-blk-pci device, by socket path.
+async fn find_devices(vm: &Vm, qmp: &Qmp) -> Result<(), SupError> {
+    let chardevs = qmp_run(qmp, &QueryChardev).await?;
+    let mut by_label = BTreeMap::new();
+    for c in chardevs {
+        // A reconnecting client socket shows as "disconnected:unix:PATH".
+        let f = c
+            .filename
+            .strip_prefix("disconnected:")
+            .unwrap_or(&c.filename);
+        if let Some(p) = f.strip_prefix("unix:") {
+            let path = p.split(',').next().unwrap_or(p);
+            by_label.insert(c.label.clone(), PathBuf::from(path));
+        }
+    }
+    let list = qmp_run(
+        qmp,
+        &QomList {
+            path: "/machine/peripheral".into(),
+        },
+    )
+    .await?;
+    let mut found = BTreeMap::new();
+    for p in list {
+        if p.kind != "child<vhost-user-blk-pci>" {
+            continue;
+        }
+        let ch = qmp_run(
+            qmp,
+            &QomGet {
+                path: format!("/machine/peripheral/{}", p.name),
+                property: "chardev".into(),
+            },
+        )
+        .await?;
+        if let Some(path) = ch.as_str().and_then(|l| by_label.get(l)) {
+            found.insert(path.clone(), p.name.clone());
+        }
+    }
+    for d in vm.drives.values() {
+        let dev = found.get(&d.socket).cloned();
+        if dev.is_none() {
+            warn!(vm = %vm.name, drive = %d.spec.id, socket = %d.socket.display(), "no vhost-user-blk-pci device uses this drive's socket");
+        }
+        lock(&d.graph).device = dev;
+    }
+    Ok(())
+}
