@@ -52,6 +52,8 @@ pub enum EngineError {
     },
     #[error("cannot create an eventfd")]
     EventFd(#[source] io::Error),
+    #[error("cannot spawn a thread")]
+    Spawn(#[source] io::Error),
 }
 
 /// One operation for an engine. Offsets and lengths were validated against the disk; the

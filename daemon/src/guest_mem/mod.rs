@@ -49,21 +49,53 @@ pub fn iov_aligned(iov: &[libc::iovec], align: usize) -> bool {
         .all(|v| (v.iov_base as usize) % align == 0 && v.iov_len % align == 0)
 }
 
-/// Drops the first `n` bytes of an iovec list.
-pub fn advance_iov(iov: &mut Vec<libc::iovec>, mut n: usize) {
-    let mut consumed = 0;
-    for v in iov.iter_mut() {
-        if n >= v.iov_len {
-            n -= v.iov_len;
-            consumed += 1;
-        } else {
-            // SAFETY: n < iov_len, so the new base stays inside the same buffer.
-            v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n).cast() };
+/// Moves past `n` transferred bytes of `iov[start..]`: whole iovecs are skipped, a partial
+/// one is shortened in place, and empty ones after it are skipped too. Returns the new start.
+pub fn consume_iov(iov: &mut [libc::iovec], mut start: usize, mut n: usize) -> usize {
+    while start < iov.len() {
+        let v = &mut iov[start];
+        if n < v.iov_len {
+            // Pointer arithmetic only (no access): stays inside the same buffer, n < iov_len.
+            v.iov_base = v.iov_base.cast::<u8>().wrapping_add(n).cast();
             v.iov_len -= n;
             break;
         }
+        n -= v.iov_len;
+        start += 1;
     }
+    start
+}
+
+/// Drops the first `n` bytes of an iovec list.
+pub fn advance_iov(iov: &mut Vec<libc::iovec>, n: usize) {
+    let consumed = consume_iov(iov, 0, n);
     iov.drain(..consumed);
+}
+
+/// Appends to `out` the pieces of `all` covering bytes [from, from+len) of it; returns how
+/// many bytes were covered (less than `len` when `all` is shorter).
+pub fn sub_iovecs(all: &[libc::iovec], from: u64, len: u64, out: &mut Vec<libc::iovec>) -> u64 {
+    let mut skip = from;
+    let mut left = len;
+    for v in all {
+        if left == 0 {
+            break;
+        }
+        let vl = v.iov_len as u64;
+        if skip >= vl {
+            skip -= vl;
+            continue;
+        }
+        let take = (vl - skip).min(left);
+        out.push(libc::iovec {
+            // Pointer arithmetic only: skip < iov_len, so it stays inside the buffer.
+            iov_base: v.iov_base.cast::<u8>().wrapping_add(skip as usize).cast(),
+            iov_len: take as usize,
+        });
+        left -= take;
+        skip = 0;
+    }
+    len - left
 }
 
 /// Copies guest bytes, starting `skip` bytes into `segs`, into `dst` (which must be covered).
@@ -152,5 +184,43 @@ mod tests {
         assert_eq!(iov[0].iov_len, 12);
         // SAFETY: inside `buf`.
         assert_eq!(iov[0].iov_base, unsafe { p.add(20) }.cast());
+    }
+
+    #[test]
+    fn consume_skips_whole_partial_and_empty_iovecs() {
+        let mut buf = [0u8; 64];
+        let p = buf.as_mut_ptr();
+        let v = |off: usize, len: usize| libc::iovec {
+            iov_base: p.wrapping_add(off).cast(),
+            iov_len: len,
+        };
+        let mut iov = [v(0, 8), v(8, 0), v(8, 8), v(16, 0), v(16, 8)];
+        assert_eq!(
+            consume_iov(&mut iov, 0, 8),
+            2,
+            "the empty one after a whole one"
+        );
+        assert_eq!(consume_iov(&mut iov, 2, 3), 2);
+        assert_eq!(
+            (iov[2].iov_base, iov[2].iov_len),
+            (p.wrapping_add(11).cast(), 5)
+        );
+        assert_eq!(
+            consume_iov(&mut iov, 2, 5),
+            4,
+            "the empty one after a partial one"
+        );
+        assert_eq!(consume_iov(&mut iov, 4, 8), 5);
+        let mut out = Vec::new();
+        let all = [v(0, 8), v(8, 8), v(16, 8)];
+        assert_eq!(sub_iovecs(&all, 6, 12, &mut out), 12);
+        assert_eq!(out.len(), 3);
+        assert_eq!(
+            (out[0].iov_base, out[0].iov_len),
+            (p.wrapping_add(6).cast(), 2)
+        );
+        assert_eq!(out[2].iov_len, 2);
+        out.clear();
+        assert_eq!(sub_iovecs(&all, 20, 10, &mut out), 4, "short list");
     }
 }
