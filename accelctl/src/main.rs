@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use accel_api::control::{self, DriveSpec, ErrorKind, Request, ThrottleLimits};
+use accel_api::status::{DriveStatus, Status};
 use clap::{Args, Parser, Subcommand};
 use serde_json::Value;
 
@@ -175,7 +176,7 @@ fn run(cli: &Cli) -> Result<(), Fail> {
                 if *watch {
                     print!("\x1b[2J\x1b[H");
                 }
-                print!("{}", status_table(&v));
+                print!("{}", status_table(&typed(v)?));
             }
             if !*watch {
                 return Ok(());
@@ -328,22 +329,27 @@ fn shell_quote(s: &str) -> String {
     }
 }
 
+/// Decodes acceld's answer as the typed value it is.
+fn typed<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, Fail> {
+    serde_json::from_value(v).map_err(|e| {
+        Fail::Remote(
+            ErrorKind::Failed,
+            format!("acceld's answer is not what this accelctl reads ({e}); same version?"),
+        )
+    })
+}
+
 fn print_drive(v: Value) -> Result<(), Fail> {
-    let reasons: Vec<&str> = v["reasons"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|r| r.as_str())
-        .collect();
+    let d: DriveStatus = typed(v)?;
     println!(
         "{}/{}: {}{}",
-        v["vm"].as_str().unwrap_or("?"),
-        v["drive"].as_str().unwrap_or("?"),
-        v["engine"].as_str().unwrap_or("?"),
-        if reasons.is_empty() {
+        d.vm,
+        d.drive,
+        d.engine.as_str(),
+        if d.reasons.is_empty() {
             String::new()
         } else {
-            format!(" ({})", reasons.join(", "))
+            format!(" ({})", d.reasons.join(", "))
         }
     );
     Ok(())
@@ -362,7 +368,7 @@ fn ago(since: u64) -> String {
     }
 }
 
-fn status_table(v: &Value) -> String {
+fn status_table(st: &Status) -> String {
     let mut rows = vec![[
         "VM",
         "DRIVE",
@@ -380,49 +386,34 @@ fn status_table(v: &Value) -> String {
     .map(String::from)
     .to_vec()];
     let mut notes = Vec::new();
-    for vm in v["vms"].as_array().into_iter().flatten() {
-        let name = vm["vm"].as_str().unwrap_or("?");
-        if !vm["attached"].as_bool().unwrap_or(false) {
-            let why = vm["attach_error"].as_str().unwrap_or("attaching");
-            notes.push(format!("{name}: not attached: {why}"));
+    for vm in &st.vms {
+        if !vm.attached {
+            let why = vm.attach_error.as_deref().unwrap_or("attaching");
+            notes.push(format!("{}: not attached: {why}", vm.vm));
         }
-        for d in vm["drives"].as_array().into_iter().flatten() {
-            let reasons: Vec<&str> = d["reasons"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|r| r.as_str())
-                .collect();
-            let p99 = d["p99_us"]
-                .as_u64()
-                .map(|u| format!("<{u}us"))
-                .unwrap_or_else(|| "-".into());
+        for d in &vm.drives {
             rows.push(vec![
-                name.to_string(),
-                d["drive"].as_str().unwrap_or("?").to_string(),
-                d["engine"].as_str().unwrap_or("?").to_string(),
-                ago(d["since"].as_u64().unwrap_or(0)),
-                if reasons.is_empty() {
+                vm.vm.clone(),
+                d.drive.clone(),
+                d.engine.as_str().to_string(),
+                ago(d.since),
+                if d.reasons.is_empty() {
                     "-".into()
                 } else {
-                    reasons.join(",")
+                    d.reasons.join(",")
                 },
-                d["switches"].to_string(),
-                format!(
-                    "{:.2}ms",
-                    d["last_pause_us"].as_u64().unwrap_or(0) as f64 / 1000.0
-                ),
-                format!("{:.0}", d["iops"].as_f64().unwrap_or(0.0)),
-                format!("{:.1}", d["mbps"].as_f64().unwrap_or(0.0)),
-                p99,
-                d["in_flight"].to_string(),
-                d["errors"].to_string(),
+                d.switches.to_string(),
+                format!("{:.2}ms", d.last_pause_us as f64 / 1000.0),
+                format!("{:.0}", d.iops),
+                format!("{:.1}", d.mbps),
+                d.p99_us
+                    .map(|u| format!("<{u}us"))
+                    .unwrap_or_else(|| "-".into()),
+                d.in_flight.to_string(),
+                d.errors.to_string(),
             ]);
-            if let Some(e) = d["last_error"].as_str() {
-                notes.push(format!(
-                    "{name}/{}: {e}",
-                    d["drive"].as_str().unwrap_or("?")
-                ));
+            if let Some(e) = &d.last_error {
+                notes.push(format!("{}/{}: {e}", vm.vm, d.drive));
             }
         }
     }

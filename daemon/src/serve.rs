@@ -151,7 +151,7 @@ impl ServeArgs {
                         self.logical_block_size,
                     );
                     cfg.io = self.io.into();
-                    let e = FileEngine::open_waiting(cfg, std::time::Duration::from_secs(2))?;
+                    let e = FileEngine::open_waiting(&cfg, std::time::Duration::from_secs(2))?;
                     let size = e.size();
                     let label = image
                         .file_name()

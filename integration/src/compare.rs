@@ -89,7 +89,7 @@ fn prepare_image(o: &CompareOpts) -> Result<()> {
             "--direct=0",
         ])
         .arg(format!("--filename={}", o.image.display()))
-        .arg(format!("--size={}", want))
+        .arg(format!("--size={want}"))
         .arg("--output=/dev/null")
         .status()
         .context("fio (apt-get install fio)")?;

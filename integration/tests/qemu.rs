@@ -37,7 +37,7 @@ fn guest_writes_verifies_and_sees_the_configured_disk() {
     .unwrap();
     let mut g = Guest::boot(&GuestSpec {
         disks: &[GuestDisk {
-            socket: sock.clone(),
+            socket: sock,
             queues: 2,
         }],
         script: &report_and_verify_script(8),

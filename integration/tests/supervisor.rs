@@ -237,7 +237,7 @@ fn raw_drive_story_under_guest_writes() -> Result<()> {
         .any(|v| v["vm"] == "vm1")
     {
         if t0.elapsed() > Duration::from_secs(15) {
-            bail!("VM not detached after exit: {:?}", d);
+            bail!("VM not detached after exit: {d:?}");
         }
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -138,7 +138,7 @@ impl ObjectAdd {
         ObjectAdd(serde_json::json!({"qom-type": "iothread", "id": id}))
     }
     /// A throttle group with QEMU's `limits` object (`iops-total`, `bps-read`, …).
-    pub fn throttle_group(id: &str, limits: Value) -> Self {
+    pub fn throttle_group(id: &str, limits: &Value) -> Self {
         ObjectAdd(serde_json::json!({"qom-type": "throttle-group", "id": id, "limits": limits}))
     }
 }

@@ -384,7 +384,7 @@ async fn reader_task(mut r: BufReader<OwnedReadHalf>, inner: Arc<Inner>) {
         match read_message(&mut r).await {
             Ok(None) => break "QEMU closed the socket".to_string(),
             Err(e) => break e.to_string(),
-            Ok(Some(v)) => dispatch(&inner, v),
+            Ok(Some(v)) => dispatch(&inner, &v),
         }
     };
     debug!(path = %inner.path.display(), %reason, "QMP reader ended");
@@ -396,7 +396,7 @@ async fn reader_task(mut r: BufReader<OwnedReadHalf>, inner: Arc<Inner>) {
     }
 }
 
-fn dispatch(inner: &Inner, v: Value) {
+fn dispatch(inner: &Inner, v: &Value) {
     if let Some(name) = v.get("event").and_then(Value::as_str) {
         let ts = &v["timestamp"];
         let ev = Event {

@@ -8,6 +8,7 @@ use acceld::drive::{DiscardMode, Drive, DriveConfig};
 use acceld::engine::{Engine, FileEngine, FileEngineConfig, IoMode};
 use acceld::vhost::{Server, ShutdownHandle};
 
+#[derive(Clone)]
 pub struct ServerOptions {
     pub size: u64,
     pub queues: u16,
@@ -53,10 +54,10 @@ impl ServerOptions {
     }
 
     /// Runs `test` once in each of [`ServerOptions::modes`], naming the mode first.
-    pub fn each_mode(test: fn(ServerOptions)) {
+    pub fn each_mode(test: fn(&ServerOptions)) {
         for (mode, base) in Self::modes() {
             println!("mode {mode}");
-            test(base);
+            test(&base);
         }
     }
 }
@@ -103,7 +104,7 @@ pub fn file_engine(image: &Path, o: &ServerOptions) -> Arc<FileEngine> {
 impl TestServer {
     /// Creates a sparse image of `o.size` bytes in a new temp dir (on disk, not tmpfs, so
     /// O_DIRECT behaves as on a host) and serves it.
-    pub fn start(o: ServerOptions) -> Self {
+    pub fn start(o: &ServerOptions) -> Self {
         init_logs();
         let dir = tempfile::Builder::new()
             .prefix("accel-test")
@@ -116,8 +117,8 @@ impl TestServer {
         Self::serve(dir, image, o)
     }
 
-    pub fn serve(dir: tempfile::TempDir, image: PathBuf, o: ServerOptions) -> Self {
-        let engine = file_engine(&image, &o);
+    pub fn serve(dir: tempfile::TempDir, image: PathBuf, o: &ServerOptions) -> Self {
+        let engine = file_engine(&image, o);
         let size = engine.size();
         Self::serve_engine(dir, image, engine, size, o)
     }
@@ -128,7 +129,7 @@ impl TestServer {
         image: PathBuf,
         engine: Arc<dyn Engine>,
         capacity: u64,
-        o: ServerOptions,
+        o: &ServerOptions,
     ) -> Self {
         init_logs();
         let socket = dir.path().join("vhost.sock");

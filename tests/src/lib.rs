@@ -129,37 +129,41 @@ impl GuestMem {
         let off = self.check(gpa, data.len());
         // SAFETY: in bounds (checked); the region is ours and shared with the backend, which
         // only touches buffers we handed it.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off), data.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.wrapping_add(off), data.len())
+        };
     }
 
     pub fn read(&self, gpa: u64, out: &mut [u8]) {
         let off = self.check(gpa, out.len());
         // SAFETY: in bounds (checked).
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), out.as_mut_ptr(), out.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.wrapping_add(off), out.as_mut_ptr(), out.len())
+        };
     }
 
     pub fn fill(&self, gpa: u64, len: usize, byte: u8) {
         let off = self.check(gpa, len);
         // SAFETY: in bounds (checked).
-        unsafe { std::ptr::write_bytes(self.ptr.add(off), byte, len) };
+        unsafe { std::ptr::write_bytes(self.ptr.wrapping_add(off), byte, len) };
     }
 
     fn w16(&self, gpa: u64, v: u16) {
         let off = self.check(gpa, 2);
         // SAFETY: in bounds and 2-aligned (ring fields are).
-        unsafe { std::ptr::write_volatile(self.ptr.add(off).cast::<u16>(), v.to_le()) };
+        unsafe { std::ptr::write_volatile(self.ptr.wrapping_add(off).cast::<u16>(), v.to_le()) };
     }
 
     fn r16(&self, gpa: u64) -> u16 {
         let off = self.check(gpa, 2);
         // SAFETY: in bounds and 2-aligned.
-        u16::from_le(unsafe { std::ptr::read_volatile(self.ptr.add(off).cast::<u16>()) })
+        u16::from_le(unsafe { std::ptr::read_volatile(self.ptr.wrapping_add(off).cast::<u16>()) })
     }
 
     fn r32(&self, gpa: u64) -> u32 {
         let off = self.check(gpa, 4);
         // SAFETY: in bounds and 4-aligned.
-        u32::from_le(unsafe { std::ptr::read_volatile(self.ptr.add(off).cast::<u32>()) })
+        u32::from_le(unsafe { std::ptr::read_volatile(self.ptr.wrapping_add(off).cast::<u32>()) })
     }
 
     fn desc(&self, gpa: u64, addr: u64, len: u32, flags: u16, next: u16) {

@@ -49,7 +49,7 @@ fn setup(size: u64, queues: u16, format: &str) -> Setup {
         image,
         engine.clone(),
         size,
-        ServerOptions {
+        &ServerOptions {
             queues,
             size,
             ..Default::default()
@@ -191,11 +191,7 @@ fn switches_between_direct_and_qemu_under_load() {
         done2.store(true, Ordering::Relaxed);
         pauses
     });
-    let r = run_load(
-        &mut fe,
-        &LoadSpec::verified_mix(size / bs, 3, Some(done.clone())),
-    )
-    .unwrap();
+    let r = run_load(&mut fe, &LoadSpec::verified_mix(size / bs, 3, Some(done))).unwrap();
     let mut pauses = switcher.join().unwrap();
     assert_eq!(r.errors, 0);
     assert_eq!(r.mismatch_count, 0, "{:?}", r.mismatches);

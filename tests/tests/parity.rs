@@ -32,7 +32,7 @@ const PROTO: &[(u64, &str)] = &[
 ];
 
 fn compare(queues: u16, read_only: bool, lbs: u32) {
-    let s = TestServer::start(ServerOptions {
+    let s = TestServer::start(&ServerOptions {
         queues,
         read_only,
         logical_block_size: lbs,
@@ -99,7 +99,7 @@ fn compare(queues: u16, read_only: bool, lbs: u32) {
         u8::from(!read_only),
         "acceld shows its write cache on a writable disk"
     );
-    let mut ours_cfg = ours.config.clone();
+    let mut ours_cfg = ours.config;
     ours_cfg[WRITEBACK] = theirs.config[WRITEBACK];
     assert_eq!(ours_cfg, theirs.config, "config space differs");
 }

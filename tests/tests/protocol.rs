@@ -30,7 +30,7 @@ fn patterned(off: u64, seed: u64, len: usize) -> Vec<u8> {
 
 #[test]
 fn handshake_reports_features_and_config() {
-    let s = TestServer::start(ServerOptions {
+    let s = TestServer::start(&ServerOptions {
         queues: 2,
         ..Default::default()
     });
@@ -52,7 +52,7 @@ fn every_request_type() {
     ServerOptions::each_mode(every_request_type_on);
 }
 
-fn every_request_type_on(base: ServerOptions) {
+fn every_request_type_on(base: &ServerOptions) {
     let s = TestServer::start(base);
     let mut fe = connect(&s, 1);
     let data = patterned(4096, 7, 8192);
@@ -106,10 +106,10 @@ fn discard_ignore_keeps_data() {
     ServerOptions::each_mode(discard_ignore_keeps_data_on);
 }
 
-fn discard_ignore_keeps_data_on(base: ServerOptions) {
-    let s = TestServer::start(ServerOptions {
+fn discard_ignore_keeps_data_on(base: &ServerOptions) {
+    let s = TestServer::start(&ServerOptions {
         discard: DiscardMode::Ignore,
-        ..base
+        ..base.clone()
     });
     let mut fe = connect(&s, 1);
     let data = patterned(0, 3, 4096);
@@ -124,10 +124,10 @@ fn read_only_disk_refuses_writes() {
     ServerOptions::each_mode(read_only_disk_refuses_writes_on);
 }
 
-fn read_only_disk_refuses_writes_on(base: ServerOptions) {
-    let s = TestServer::start(ServerOptions {
+fn read_only_disk_refuses_writes_on(base: &ServerOptions) {
+    let s = TestServer::start(&ServerOptions {
         read_only: true,
-        ..base
+        ..base.clone()
     });
     let mut fe = connect(&s, 1);
     assert_ne!(
@@ -151,7 +151,7 @@ fn any_descriptor_layout() {
     ServerOptions::each_mode(any_descriptor_layout_on);
 }
 
-fn any_descriptor_layout_on(base: ServerOptions) {
+fn any_descriptor_layout_on(base: &ServerOptions) {
     let s = TestServer::start(base);
     let mut fe = connect(&s, 1);
     let sl = fe.slot(0, 1);
@@ -198,7 +198,7 @@ fn unaligned_buffers_go_through_the_bounce_pool() {
     ServerOptions::each_mode(unaligned_buffers_go_through_the_bounce_pool_on);
 }
 
-fn unaligned_buffers_go_through_the_bounce_pool_on(base: ServerOptions) {
+fn unaligned_buffers_go_through_the_bounce_pool_on(base: &ServerOptions) {
     let s = TestServer::start(base);
     let mut fe = BlkFrontend::connect(
         &s.socket,
@@ -245,7 +245,7 @@ fn hostile_requests_get_a_status_and_the_server_survives() {
     ServerOptions::each_mode(hostile_requests_get_a_status_and_the_server_survives_on);
 }
 
-fn hostile_requests_get_a_status_and_the_server_survives_on(base: ServerOptions) {
+fn hostile_requests_get_a_status_and_the_server_survives_on(base: &ServerOptions) {
     let s = TestServer::start(base);
     let mut fe = connect(&s, 1);
     let cap = fe.negotiated.capacity_sectors();
@@ -322,7 +322,7 @@ fn descriptor_loop_is_cut() {
     ServerOptions::each_mode(descriptor_loop_is_cut_on);
 }
 
-fn descriptor_loop_is_cut_on(base: ServerOptions) {
+fn descriptor_loop_is_cut_on(base: &ServerOptions) {
     let s = TestServer::start(base);
     let mut fe = connect(&s, 1);
     let sl = fe.slot(0, 4);
@@ -353,8 +353,11 @@ fn two_queues_in_parallel() {
     ServerOptions::each_mode(two_queues_in_parallel_on);
 }
 
-fn two_queues_in_parallel_on(base: ServerOptions) {
-    let s = TestServer::start(ServerOptions { queues: 2, ..base });
+fn two_queues_in_parallel_on(base: &ServerOptions) {
+    let s = TestServer::start(&ServerOptions {
+        queues: 2,
+        ..base.clone()
+    });
     let mut fe = connect(&s, 2);
     for q in 0..2 {
         let data = patterned(q as u64 * 8192, 9, 8192);
@@ -374,8 +377,11 @@ fn reconnect_ten_times_with_fresh_state() {
     ServerOptions::each_mode(reconnect_ten_times_with_fresh_state_on);
 }
 
-fn reconnect_ten_times_with_fresh_state_on(base: ServerOptions) {
-    let s = TestServer::start(ServerOptions { queues: 2, ..base });
+fn reconnect_ten_times_with_fresh_state_on(base: &ServerOptions) {
+    let s = TestServer::start(&ServerOptions {
+        queues: 2,
+        ..base.clone()
+    });
     for round in 0..10u64 {
         let mut fe = connect(&s, 2);
         let q = (round % 2) as usize;
@@ -402,7 +408,7 @@ fn get_vring_base_waits_for_in_flight_requests() {
     ServerOptions::each_mode(get_vring_base_waits_for_in_flight_requests_on);
 }
 
-fn get_vring_base_waits_for_in_flight_requests_on(base: ServerOptions) {
+fn get_vring_base_waits_for_in_flight_requests_on(base: &ServerOptions) {
     let s = TestServer::start(base);
     let mut fe = BlkFrontend::connect(
         &s.socket,
@@ -456,7 +462,7 @@ fn get_vring_base_waits_for_in_flight_requests_on(base: ServerOptions) {
 fn write_cache_follows_the_driver() {
     use vhost::vhost_user::message::VhostUserConfigFlags;
     use vhost::vhost_user::VhostUserFrontend as _;
-    let s = TestServer::start(ServerOptions::default());
+    let s = TestServer::start(&ServerOptions::default());
     let mut fe = connect(&s, 1);
     assert_eq!(fe.negotiated.config[32], 1, "writeback shown on");
     assert!(s.drive.writeback());

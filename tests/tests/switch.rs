@@ -26,7 +26,7 @@ fn hundred_switches_under_qd32_verified_load() {
         io: IoMode::Inline,
         ..Default::default()
     };
-    let s = TestServer::start(ServerOptions {
+    let s = TestServer::start(&ServerOptions {
         queues: 2,
         size: 32 << 20,
         poll_us: 50,
@@ -66,7 +66,7 @@ fn hundred_switches_under_qd32_verified_load() {
         done2.store(true, Ordering::Relaxed);
         pauses
     });
-    let spec = LoadSpec::verified_mix(blocks, 42, Some(done.clone()));
+    let spec = LoadSpec::verified_mix(blocks, 42, Some(done));
     // The load runs for as long as the switcher works.
     let total = run_load(&mut fe, &spec).unwrap();
     assert_eq!(total.errors, 0, "{:?}", total.mismatches);

@@ -118,6 +118,7 @@ impl Paused {
     /// Ends the pause on `engine`: each queue gets a fresh context on it. A holding engine
     /// keeps the queues paused (requests wait in the vring). When a context cannot be opened,
     /// the drive stays paused and the pause comes back with the error, for a rollback.
+    #[allow(clippy::needless_pass_by_value)] // the drive keeps the engine (cloned into it)
     pub fn resume(
         mut self,
         engine: Arc<dyn Engine>,

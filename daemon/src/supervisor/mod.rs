@@ -332,8 +332,8 @@ impl Supervisor {
             reasons: reasons
                 .iter()
                 .map(|r| ReasonText {
-                    code: r.code().to_string(),
-                    sentence: r.sentence().to_string(),
+                    code: r.code(),
+                    sentence: r.sentence(),
                 })
                 .collect(),
             serve,

@@ -83,7 +83,7 @@ pub(super) fn view(d: &DriveSlot, snap: &QemuSnapshot) -> DriveView {
                 vm: ctx.vm.clone(),
                 memory_shared: true,
                 pin: ctx.pin,
-                options: ctx.options.clone(),
+                options: ctx.options,
             };
         }
     }

@@ -96,7 +96,7 @@ impl Supervisor {
             Some(l) => {
                 qmp_run(
                     qmp,
-                    &ObjectAdd::throttle_group(&group_id(id), limits_value(l)),
+                    &ObjectAdd::throttle_group(&group_id(id), &limits_value(l)),
                 )
                 .await?;
                 let r = qmp_run(

@@ -118,9 +118,9 @@ impl Supervisor {
                 }
             }
         }
-        let vm = Arc::new(Vm::new(name.clone(), qmp, cont, dir, slots));
-        lock(&self.vms).insert(name.clone(), vm.clone());
-        info!(vm = %name, drives = vm.drives.len(), "registered");
+        info!(vm = %name, drives = slots.len(), "registered");
+        let vm = Arc::new(Vm::new(name, qmp, cont, dir, slots));
+        lock(&self.vms).insert(vm.name.clone(), vm.clone());
         self.spawn_vm_task(&vm);
         Ok(vm)
     }
@@ -191,7 +191,7 @@ impl Supervisor {
                 };
                 let fcfg = super::switch::file_config(&spec, &serve);
                 direct_spec = Some(serve);
-                let e = FileEngine::open_waiting(fcfg, Duration::from_secs(5))?;
+                let e = FileEngine::open_waiting(&fcfg, Duration::from_secs(5))?;
                 (Arc::new(e), EngineKind::Direct)
             }
             _ => (Arc::new(HeldEngine), EngineKind::Held),

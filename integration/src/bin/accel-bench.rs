@@ -94,7 +94,7 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
 }
 
 fn main() -> ExitCode {
-    match run(Args::parse()) {
+    match run(&Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("accel-bench: {e:#}");
@@ -103,7 +103,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(a: Args) -> Result<()> {
+fn run(a: &Args) -> Result<()> {
     if a.bs < 512 || a.bs > 1 << 20 || a.bs % 512 != 0 {
         bail!(
             "--bs {} is not a multiple of 512 between 512 and 1 MiB",
@@ -217,7 +217,7 @@ fn run(a: Args) -> Result<()> {
         (Some(pid), Some(c0)) => Some(cpu_seconds(pid)? - c0),
         _ => None,
     };
-    print_report(&a, &rep, cpu);
+    print_report(a, &rep, cpu);
     if rep.errors > 0 || rep.mismatch_count > 0 {
         bail!(
             "{} errors, {} mismatches: {}",

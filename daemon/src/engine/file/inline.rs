@@ -42,31 +42,33 @@ impl InlineQueue {
     /// Runs one operation on `fd` to completion: bytes transferred or -errno.
     fn run(fd: RawFd, op: &IoOp) -> i32 {
         loop {
-            // SAFETY: fd is open; the iovecs and the memory they point to are valid for the
-            // operation (the `push` contract).
-            let r: i64 = unsafe {
-                match *op {
-                    IoOp::Readv {
-                        offset,
-                        iov,
-                        iovcnt,
-                    } => libc::preadv2(fd, iov, iovcnt as i32, offset as i64, 0) as i64,
-                    IoOp::Writev {
-                        offset,
-                        iov,
-                        iovcnt,
-                        dsync,
-                    } => libc::pwritev2(
-                        fd,
-                        iov,
-                        iovcnt as i32,
-                        offset as i64,
-                        if dsync { libc::RWF_DSYNC } else { 0 },
-                    ) as i64,
-                    IoOp::Flush => libc::fdatasync(fd) as i64,
-                    IoOp::Fallocate {
-                        offset, len, mode, ..
-                    } => libc::fallocate(fd, mode, offset as i64, len as i64) as i64,
+            let r: i64 = match *op {
+                IoOp::Readv {
+                    offset,
+                    iov,
+                    iovcnt,
+                } => {
+                    // SAFETY: fd is open; the iovecs and the memory they point to are valid
+                    // for the operation (the `push` contract).
+                    (unsafe { libc::preadv2(fd, iov, iovcnt as i32, offset as i64, 0) }) as i64
+                }
+                IoOp::Writev {
+                    offset,
+                    iov,
+                    iovcnt,
+                    dsync,
+                } => {
+                    let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+                    // SAFETY: as for preadv2; pwritev2 only reads the buffers.
+                    (unsafe { libc::pwritev2(fd, iov, iovcnt as i32, offset as i64, flags) }) as i64
+                }
+                // SAFETY: fdatasync on an open fd touches no memory of ours.
+                IoOp::Flush => (unsafe { libc::fdatasync(fd) }) as i64,
+                IoOp::Fallocate {
+                    offset, len, mode, ..
+                } => {
+                    // SAFETY: fallocate on an open fd touches no memory of ours.
+                    (unsafe { libc::fallocate(fd, mode, offset as i64, len as i64) }) as i64
                 }
             };
             if r >= 0 {

@@ -146,7 +146,7 @@ impl FileEngine {
     /// kernel may drop a moment after the process exited (io_uring rings are torn down
     /// asynchronously), so a restarted acceld can briefly see its predecessor's locks.
     pub fn open_waiting(
-        cfg: FileEngineConfig,
+        cfg: &FileEngineConfig,
         wait: std::time::Duration,
     ) -> Result<Self, EngineError> {
         let t0 = std::time::Instant::now();

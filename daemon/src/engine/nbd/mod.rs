@@ -233,7 +233,7 @@ impl Engine for NbdEngine {
         let want = self.info;
         std::thread::Builder::new()
             .name(format!("nbd-q{queue}"))
-            .spawn(move || connect_and_read(c2, &path, &export, want))
+            .spawn(move || connect_and_read(&c2, &path, &export, want))
             .map_err(EngineError::Spawn)?;
         {
             let mut conns = lock(&self.conns);

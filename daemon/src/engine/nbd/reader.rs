@@ -6,7 +6,6 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use tracing::debug;
 
@@ -19,7 +18,7 @@ use crate::guest_mem::sub_iovecs;
 use crate::util::lock;
 
 /// The reader thread: connects, then reads replies until the connection ends.
-pub(super) fn connect_and_read(conn: Arc<Conn>, path: &Path, export: &str, want: ExportInfo) {
+pub(super) fn connect_and_read(conn: &Conn, path: &Path, export: &str, want: ExportInfo) {
     let (sock, info) = match connect(path, export) {
         Ok(x) => x,
         Err(e) => return conn.fail_all(&format!("cannot connect: {}", crate::error_chain(&e))),
@@ -54,8 +53,8 @@ fn read_all_vectored(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<()> {
     transfer_all(iov, |v, n| unsafe { libc::readv(fd, v, n) })
 }
 
-fn reader(conn: Arc<Conn>, mut s: UnixStream, info: ExportInfo) {
-    let why = match read_replies(&conn, &mut s, info) {
+fn reader(conn: &Conn, mut s: UnixStream, info: ExportInfo) {
+    let why = match read_replies(conn, &mut s, info) {
         Ok(()) => ReplyError::Closed.to_string(),
         Err(e) => crate::error_chain(&e),
     };
@@ -116,11 +115,11 @@ fn zero_fill(iov: &[libc::iovec]) {
         let mut done = 0;
         while done < v.iov_len {
             let n = (v.iov_len - done).min(ZEROES.len());
-            // SAFETY: the iovec is inside guest memory of a request in flight (target checked
-            // the range against the request); ZEROES has n bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(ZEROES.as_ptr(), v.iov_base.cast::<u8>().add(done), n)
-            };
+            // Pointer arithmetic only: done < iov_len.
+            let dst = v.iov_base.cast::<u8>().wrapping_add(done);
+            // SAFETY: dst..dst+n is inside the iovec, which is guest memory of a request in
+            // flight (target checked the range against the request); ZEROES has n bytes.
+            unsafe { std::ptr::copy_nonoverlapping(ZEROES.as_ptr(), dst, n) };
             done += n;
         }
     }
