@@ -207,7 +207,7 @@ pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
         socket = %args.socket.display(),
         queues = args.queues,
         capacity = drive.config().capacity_bytes,
-        engine = drive.engine().name(),
+        engine = drive.engine().io_path(),
         "serving"
     );
     server.run()?;

@@ -133,8 +133,8 @@ fn auto_picks_inline_in_memory_and_io_uring_on_disk() {
     let disk = image("/var/tmp");
     assert_eq!(open(shm.path(), IoMode::Auto).io_mode(), IoMode::Inline);
     assert_eq!(open(disk.path(), IoMode::Auto).io_mode(), IoMode::Uring);
-    assert_eq!(open(shm.path(), IoMode::Uring).name(), "io_uring");
-    assert_eq!(open(disk.path(), IoMode::Inline).name(), "inline");
+    assert_eq!(open(shm.path(), IoMode::Uring).io_path(), "io_uring");
+    assert_eq!(open(disk.path(), IoMode::Inline).io_path(), "inline");
 }
 
 #[test]

@@ -79,7 +79,7 @@ fn connect(s: &TestServer, queues: usize) -> BlkFrontend {
 fn every_request_type_through_qemu() {
     let s = setup(16 << 20, 1, "raw");
     let mut fe = connect(&s.server, 1);
-    assert_eq!(s.server.drive.engine().name(), "nbd");
+    assert_eq!(s.server.drive.engine().io_path(), "nbd");
     let mut data = vec![0u8; 1 << 20];
     pattern(4096, 9, &mut data);
     assert_eq!(fe.request(0, T_OUT, 8, &data, 0).unwrap().0, S_OK);

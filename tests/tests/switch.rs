@@ -40,7 +40,7 @@ fn hundred_switches_under_qd32_verified_load() {
     // every queue from one to the other.
     let a: Arc<dyn Engine> = file_engine(&s.image, &opts);
     let b: Arc<dyn Engine> = file_engine(&s.image, &inline);
-    assert_eq!((a.name(), b.name()), ("io_uring", "inline"));
+    assert_eq!((a.io_path(), b.io_path()), ("io_uring", "inline"));
     let mut fe = BlkFrontend::connect(
         &s.socket,
         FrontendOptions {

@@ -95,7 +95,7 @@ impl DriveConfig {
     }
 }
 
-struct EngineSlot {
+struct EngineState {
     engine: Arc<dyn Engine>,
     generation: u64,
     /// A pause is in progress: workers that start now start paused, with no engine context.
@@ -104,7 +104,7 @@ struct EngineSlot {
 
 pub struct Drive {
     cfg: DriveConfig,
-    engine: Mutex<EngineSlot>,
+    engine: Mutex<EngineState>,
     /// Set while a pause (a switch) is in progress: one at a time per drive.
     switching: AtomicBool,
     /// Held while a worker starts and while a pause or resume walks the workers, so a worker
@@ -125,7 +125,7 @@ impl Drive {
         let writeback = !cfg.read_only;
         Arc::new(Drive {
             cfg,
-            engine: Mutex::new(EngineSlot {
+            engine: Mutex::new(EngineState {
                 engine,
                 generation: 0,
                 paused: false,

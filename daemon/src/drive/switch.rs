@@ -44,7 +44,7 @@ impl Drive {
             return Err(SwitchError::Busy(self.cfg.name.clone()));
         }
         let t0 = Instant::now();
-        let from = self.engine().name().to_string();
+        let from = self.engine().io_path().to_string();
         let workers = {
             let _a = lock(&self.attach_lock);
             lock(&self.engine).paused = true;
@@ -158,11 +158,11 @@ impl Paused {
             d.stats
                 .last_pause_us
                 .store(pause.as_micros() as u64, Ordering::Relaxed);
-            info!(drive = %d.cfg.name, from = %self.from, to = engine.name(), queues = self.queues, pause_us = pause.as_micros() as u64, "engine switched");
+            info!(drive = %d.cfg.name, from = %self.from, to = engine.io_path(), queues = self.queues, pause_us = pause.as_micros() as u64, "engine switched");
         }
         Ok(SwitchReport {
             from: std::mem::take(&mut self.from),
-            to: engine.name().to_string(),
+            to: engine.io_path().to_string(),
             queues: self.queues,
             pause,
         })

@@ -4,7 +4,7 @@ use std::os::fd::{AsRawFd, RawFd};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::{Engine, EngineError, IoOp, QueueIo};
+use super::{Engine, EngineError, EngineKind, IoOp, QueueIo};
 
 /// A queue context that has nothing to do: for workers that start paused. Anything pushed to
 /// it fails with EIO (it is never used while paused).
@@ -45,7 +45,10 @@ impl QueueIo for NullIo {
 pub struct HeldEngine;
 
 impl Engine for HeldEngine {
-    fn name(&self) -> &str {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Held
+    }
+    fn io_path(&self) -> &str {
         "held"
     }
     fn buffer_alignment(&self) -> u32 {

@@ -12,6 +12,7 @@ use std::io;
 use std::os::fd::RawFd;
 use std::path::PathBuf;
 
+pub use accel_api::status::EngineKind;
 use thiserror::Error;
 
 pub mod file;
@@ -109,8 +110,11 @@ pub trait QueueIo: Send {
 
 /// The storage side of a drive.
 pub trait Engine: Send + Sync {
-    /// A short name for logs and status ("io_uring", "nbd").
-    fn name(&self) -> &str;
+    /// Which engine this is, as status shows it: direct, qemu or held.
+    fn kind(&self) -> EngineKind;
+    /// The I/O path under the engine, for logs and benchmarks: "io_uring" or "inline" (the
+    /// direct engine), "nbd" (the qemu engine), "held". Not the engine's kind.
+    fn io_path(&self) -> &str;
     /// Memory and length alignment that I/O buffers need (O_DIRECT); 1 when any will do.
     fn buffer_alignment(&self) -> u32;
     /// Whether fallocate can punch holes and zero ranges on this image.

@@ -34,7 +34,7 @@ mod request;
 
 use crate::virtio_blk::{self, Layout};
 use bounce::BouncePool;
-use request::Slot;
+use request::InFlight;
 
 /// The call eventfd, which the frontend may replace while the queue runs.
 pub type CallHandle = Arc<Mutex<Option<EventFd>>>;
@@ -189,7 +189,7 @@ struct Worker {
     io: Box<dyn QueueIo>,
     engine: Arc<dyn Engine>,
     epoll: Epoll,
-    slots: Vec<Slot>,
+    slots: Vec<InFlight>,
     free: Vec<usize>,
     in_flight: usize,
     layout: Layout,
@@ -237,7 +237,7 @@ impl Worker {
             io,
             engine,
             epoll,
-            slots: (0..n).map(|_| Slot::new()).collect(),
+            slots: (0..n).map(|_| InFlight::new()).collect(),
             free: (0..n).rev().collect(),
             in_flight: 0,
             layout: Layout::with_capacity(MAX_SEGS),

@@ -88,7 +88,7 @@ pub struct SwitchStats {
 
 type ServerThread = (ShutdownHandle, JoinHandle<()>);
 
-pub struct DriveSlot {
+pub struct ManagedDrive {
     pub spec: DriveSpec,
     pub socket: PathBuf,
     pub drive: Arc<Drive>,
@@ -102,7 +102,7 @@ pub struct DriveSlot {
     pub stats: Mutex<SwitchStats>,
 }
 
-impl DriveSlot {
+impl ManagedDrive {
     pub fn new(
         spec: DriveSpec,
         socket: PathBuf,
@@ -112,7 +112,7 @@ impl DriveSlot {
         intent: Intent,
         graph: GraphRecord,
     ) -> Self {
-        DriveSlot {
+        ManagedDrive {
             spec,
             socket,
             drive,

@@ -52,7 +52,7 @@ mod status;
 mod switch;
 mod vm;
 
-pub use drive_state::{DriveSlot, Recorded};
+pub use drive_state::{ManagedDrive, Recorded};
 pub use persist::PersistError;
 pub use vm::Vm;
 
@@ -296,7 +296,7 @@ impl Supervisor {
     async fn act_now(
         self: &Arc<Self>,
         vm: &Arc<Vm>,
-        d: &Arc<DriveSlot>,
+        d: &Arc<ManagedDrive>,
         urgent: bool,
     ) -> Result<DriveStatus, SupError> {
         let qmp = vm.qmp()?;

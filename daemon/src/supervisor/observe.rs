@@ -9,7 +9,7 @@ use qmp_client::commands::{
 use qmp_client::Qmp;
 use serde_json::Value;
 
-use super::drive_state::DriveSlot;
+use super::drive_state::ManagedDrive;
 use super::qemu_graph::{export_id, filter_node};
 use super::{qmp_run, SupError};
 use crate::util::lock;
@@ -56,7 +56,7 @@ pub(super) async fn snapshot(qmp: &Qmp) -> Result<QemuSnapshot, SupError> {
 
 /// The policy's view of a drive, with acceld's own export and throttle filter taken out of
 /// the parents, and the recorded nodes standing in for removed ones.
-pub(super) fn view(d: &DriveSlot, snap: &QemuSnapshot) -> DriveView {
+pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
     let ctx = policy::qemu::DriveContext {
         vm: snap.vm.clone(),
         memory_shared: true,
@@ -115,7 +115,7 @@ pub(super) fn view(d: &DriveSlot, snap: &QemuSnapshot) -> DriveView {
 }
 
 /// The policy's decision, with an operator's throttle as one more reason for QEMU.
-pub(super) fn decide(d: &DriveSlot, view: &DriveView) -> Decision {
+pub(super) fn decide(d: &ManagedDrive, view: &DriveView) -> Decision {
     let dec = policy::decide(view);
     if lock(&d.intent).throttle.is_none() {
         return dec;

@@ -16,7 +16,7 @@ use tracing::debug;
 
 use tokio::task::block_in_place;
 
-use super::drive_state::{DriveSlot, Recorded};
+use super::drive_state::{ManagedDrive, Recorded};
 use super::{qmp_run, SupError, Supervisor};
 use crate::engine::nbd;
 use crate::util::lock;
@@ -86,7 +86,7 @@ impl Supervisor {
     /// export; returns the export's name. The nodes must exist.
     pub(super) async fn qemu_up(
         &self,
-        d: &DriveSlot,
+        d: &ManagedDrive,
         qmp: &Qmp,
         nbd_socket: &Path,
         throttle: Option<&ThrottleLimits>,
@@ -140,7 +140,7 @@ impl Supervisor {
     }
 
     /// Removes acceld's export, throttle filter and throttle group of the drive, if present.
-    pub(super) async fn qemu_down(&self, d: &DriveSlot, qmp: &Qmp) -> Result<(), SupError> {
+    pub(super) async fn qemu_down(&self, d: &ManagedDrive, qmp: &Qmp) -> Result<(), SupError> {
         let id = d.id();
         let export = export_id(id);
         if has_export(qmp, &export).await? {
@@ -186,7 +186,7 @@ impl Supervisor {
     }
 
     /// Deletes the drive's nodes from QEMU, recording them for [`Self::restore_nodes`].
-    pub(super) async fn remove_nodes(&self, d: &DriveSlot, qmp: &Qmp) -> Result<(), SupError> {
+    pub(super) async fn remove_nodes(&self, d: &ManagedDrive, qmp: &Qmp) -> Result<(), SupError> {
         if lock(&d.graph).nodes_removed {
             return Ok(());
         }
@@ -229,7 +229,7 @@ impl Supervisor {
     }
 
     /// Re-creates nodes removed by [`Self::remove_nodes`].
-    pub(super) async fn restore_nodes(&self, d: &DriveSlot, qmp: &Qmp) -> Result<(), SupError> {
+    pub(super) async fn restore_nodes(&self, d: &ManagedDrive, qmp: &Qmp) -> Result<(), SupError> {
         if !lock(&d.graph).nodes_removed {
             return Ok(());
         }
@@ -241,7 +241,7 @@ impl Supervisor {
 
     async fn add_nodes(
         &self,
-        d: &DriveSlot,
+        d: &ManagedDrive,
         qmp: &Qmp,
         protocol_too: bool,
     ) -> Result<(), SupError> {

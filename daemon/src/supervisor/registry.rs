@@ -11,7 +11,7 @@ use serde::Serialize;
 use tokio::task::block_in_place;
 use tracing::{info, warn};
 
-use super::drive_state::{DriveSlot, GraphRecord, Intent, Placement};
+use super::drive_state::{GraphRecord, Intent, ManagedDrive, Placement};
 use super::persist::{self, SavedDrive};
 use super::vm::Vm;
 use super::{SupError, Supervisor};
@@ -125,7 +125,7 @@ impl Supervisor {
         Ok(vm)
     }
 
-    fn start_drive(&self, dir: &Path, sd: SavedDrive) -> Result<Arc<DriveSlot>, SupError> {
+    fn start_drive(&self, dir: &Path, sd: SavedDrive) -> Result<Arc<ManagedDrive>, SupError> {
         let spec = sd.spec;
         if !spec.image.exists() {
             return Err(SupError::Invalid(format!(
@@ -214,7 +214,7 @@ impl Supervisor {
                 source,
             })?;
         info!(drive = %spec.id, socket = %socket.display(), engine = kind.as_str(), "serving");
-        Ok(Arc::new(DriveSlot::new(
+        Ok(Arc::new(ManagedDrive::new(
             spec,
             socket,
             drive,

@@ -6,13 +6,13 @@ use std::time::{Instant, SystemTime};
 use accel_api::status::{DriveStatus, PauseStats, PinKind, Status, VmStatus};
 use policy::Pin;
 
-use super::drive_state::DriveSlot;
+use super::drive_state::ManagedDrive;
 use super::vm::Vm;
 use super::Supervisor;
 use crate::drive::LatencyHistogram;
 use crate::util::lock;
 
-pub(super) fn drive_status(vm: &Vm, d: &DriveSlot) -> DriveStatus {
+pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
     let s = &d.drive.stats;
     let (engine, since) = {
         let p = lock(&d.placement);

@@ -13,7 +13,7 @@ use qmp_client::Qmp;
 use tokio::task::block_in_place;
 use tracing::{info, warn};
 
-use super::drive_state::DriveSlot;
+use super::drive_state::ManagedDrive;
 use super::plan::{Action, ToQemu};
 use super::qemu_graph::{lift_limits, set_limits};
 use super::vm::Vm;
@@ -51,7 +51,7 @@ impl Supervisor {
     pub(super) async fn execute(
         &self,
         vm: &Arc<Vm>,
-        d: &Arc<DriveSlot>,
+        d: &Arc<ManagedDrive>,
         qmp: &Arc<Qmp>,
         action: Action,
     ) -> Result<(), SupError> {
@@ -85,7 +85,7 @@ impl Supervisor {
     async fn transition(
         &self,
         vm: &Arc<Vm>,
-        d: &Arc<DriveSlot>,
+        d: &Arc<ManagedDrive>,
         qmp: &Arc<Qmp>,
         to: Target,
     ) -> Result<(), SupError> {
@@ -148,7 +148,7 @@ impl Supervisor {
     async fn bring_up(
         &self,
         vm: &Arc<Vm>,
-        d: &Arc<DriveSlot>,
+        d: &Arc<ManagedDrive>,
         qmp: &Qmp,
         to: &Target,
     ) -> Result<Arc<dyn Engine>, SupError> {

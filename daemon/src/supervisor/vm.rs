@@ -11,7 +11,7 @@ use qmp_client::commands::{Cont, ObjectAdd, QomGet, QomList, QueryChardev, Query
 use qmp_client::Qmp;
 use tracing::{debug, info, warn};
 
-use super::drive_state::DriveSlot;
+use super::drive_state::ManagedDrive;
 use super::persist::{SavedDrive, SavedVm};
 use super::plan::{self, Action, PlanInput, Quiet, Timer};
 use super::{observe, qmp_run, SupError, Supervisor};
@@ -22,7 +22,7 @@ pub struct Vm {
     pub qmp_path: PathBuf,
     pub cont: bool,
     pub dir: PathBuf,
-    pub drives: BTreeMap<String, Arc<DriveSlot>>,
+    pub drives: BTreeMap<String, Arc<ManagedDrive>>,
     qmp: Mutex<Option<Arc<Qmp>>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     pub(super) attach_error: Mutex<Option<String>>,
@@ -36,7 +36,7 @@ impl Vm {
         qmp_path: PathBuf,
         cont: bool,
         dir: PathBuf,
-        drives: BTreeMap<String, Arc<DriveSlot>>,
+        drives: BTreeMap<String, Arc<ManagedDrive>>,
     ) -> Self {
         Vm {
             name,
@@ -67,7 +67,7 @@ impl Vm {
         self.dir.join("nbd.sock")
     }
 
-    pub(super) fn drive(&self, id: &str) -> Result<Arc<DriveSlot>, SupError> {
+    pub(super) fn drive(&self, id: &str) -> Result<Arc<ManagedDrive>, SupError> {
         self.drives
             .get(id)
             .cloned()
@@ -270,7 +270,7 @@ impl Supervisor {
     pub(super) async fn reconcile(
         &self,
         vm: &Arc<Vm>,
-        d: &Arc<DriveSlot>,
+        d: &Arc<ManagedDrive>,
         qmp: &Arc<Qmp>,
         urgent: bool,
     ) -> Result<(), SupError> {

@@ -8,7 +8,7 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::{Engine, EngineError, QueueIo};
+use super::{Engine, EngineError, EngineKind, QueueIo};
 
 mod image_lock;
 mod inline;
@@ -230,7 +230,10 @@ fn dio_alignment(f: &File) -> Option<(u32, u32)> {
 }
 
 impl Engine for FileEngine {
-    fn name(&self) -> &str {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Direct
+    }
+    fn io_path(&self) -> &str {
         self.io.name()
     }
 

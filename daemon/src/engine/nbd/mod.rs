@@ -26,7 +26,7 @@ use std::time::Duration;
 use thiserror::Error;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::engine::{Engine, EngineError, QueueIo};
+use crate::engine::{Engine, EngineError, EngineKind, QueueIo};
 use crate::util::lock;
 
 mod handshake;
@@ -198,7 +198,10 @@ impl Drop for NbdEngine {
 }
 
 impl Engine for NbdEngine {
-    fn name(&self) -> &str {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Qemu
+    }
+    fn io_path(&self) -> &str {
         "nbd"
     }
 

@@ -32,7 +32,7 @@ pub(super) enum Stage {
     Fallocate(i32),
 }
 
-pub(super) struct Slot {
+pub(super) struct InFlight {
     pub(super) head: u16,
     pub(super) status: u64,
     pub(super) used_len: u32,
@@ -52,9 +52,9 @@ pub(super) struct Slot {
     pub(super) started: Instant,
 }
 
-impl Slot {
+impl InFlight {
     pub(super) fn new() -> Self {
-        Slot {
+        InFlight {
             head: 0,
             status: 0,
             used_len: 0,

@@ -1,20 +1,23 @@
 //! `acceld run`: the daemon. Loads the config, restores the registry from the state file,
-//! serves the control socket (`control.rs`), optional Prometheus metrics, and stops cleanly on
+//! serves the control socket (`run/control.rs`), optional Prometheus metrics, and stops cleanly on
 //! SIGTERM (every drive drained; QEMU left as it is for the next start).
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use serde_json::json;
 use thiserror::Error;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tracing::{info, warn};
 
-use crate::control::{ErrorKind, Reply, Request};
 use crate::supervisor::{Config, SupError, Supervisor};
+
+mod control;
+mod metrics;
+
+pub use control::dispatch;
+use control::handle_client;
+use metrics::serve_metrics;
 
 /// Run the supervisor daemon.
 #[derive(Args, Clone, Debug)]
@@ -160,92 +163,4 @@ async fn run_async(cfg: Config) -> Result<(), RunError> {
     let _ = std::fs::remove_file(&ctl_path);
     info!("stopped");
     Ok(())
-}
-
-async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>) {
-    let (r, mut w) = stream.into_split();
-    let mut lines = BufReader::new(r).lines();
-    while let Ok(Some(line)) = lines.next_line().await {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let reply = match serde_json::from_str::<Request>(&line) {
-            Ok(req) => dispatch(&sup, req).await,
-            Err(e) => Reply::err(ErrorKind::Invalid, format!("bad request: {e}")),
-        };
-        let mut out = serde_json::to_string(&reply).expect("replies serialize");
-        out.push('\n');
-        if w.write_all(out.as_bytes()).await.is_err() {
-            return;
-        }
-    }
-}
-
-pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
-    use policy::Pin;
-    fn json<T: serde::Serialize>(r: Result<T, SupError>) -> Result<serde_json::Value, SupError> {
-        r.map(|v| serde_json::to_value(v).expect("replies serialize"))
-    }
-    let res = match req {
-        Request::Register {
-            vm,
-            qmp,
-            drives,
-            cont,
-        } => {
-            let s = sup.clone();
-            json(tokio::task::block_in_place(move || {
-                s.register(vm, qmp, drives, cont)
-            }))
-        }
-        Request::Unregister { vm } => json(sup.unregister(&vm).await),
-        Request::Attach { vm } => json(sup.attach(&vm)),
-        Request::Detach { vm } => json(sup.detach(&vm)),
-        Request::Status => json(Ok(sup.status())),
-        Request::Explain { vm, drive } => json(sup.explain(&vm, &drive).await),
-        Request::Accelerate { vm, drive, pin } => {
-            let p = if pin { Some(Pin::Direct) } else { None };
-            json(sup.set_pin(&vm, &drive, p, pin).await)
-        }
-        Request::Handback { vm, drive, pin } => {
-            json(sup.set_pin(&vm, &drive, Some(Pin::Qemu), pin).await)
-        }
-        Request::Throttle { vm, drive, limits } => {
-            json(sup.set_throttle(&vm, &drive, limits).await)
-        }
-        Request::QemuArgs { vm, memory } => json(sup.qemu_args(&vm, &memory)),
-    };
-    match res {
-        Ok(v) => Reply::ok(v),
-        Err(e) => Reply::err(e.kind(), e.chain()),
-    }
-}
-
-async fn serve_metrics(l: tokio::net::TcpListener, sup: Arc<Supervisor>) {
-    loop {
-        let Ok((mut s, _)) = l.accept().await else {
-            continue;
-        };
-        let sup = sup.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 1024];
-            let n = tokio::io::AsyncReadExt::read(&mut s, &mut buf)
-                .await
-                .unwrap_or(0);
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let (status, body) = if req.starts_with("GET /metrics") {
-                ("200 OK", sup.metrics())
-            } else {
-                (
-                    "404 Not Found",
-                    json!({"error": "try /metrics"}).to_string(),
-                )
-            };
-            let resp = format!(
-                "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = s.write_all(resp.as_bytes()).await;
-        });
-    }
 }

@@ -1,0 +1,69 @@
+//! The control socket's requests (`accel_api::control`): one JSON object per line, answered
+//! by the supervisor.
+
+use std::sync::Arc;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+
+use crate::control::{ErrorKind, Reply, Request};
+use crate::supervisor::{SupError, Supervisor};
+
+pub(super) async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>) {
+    let (r, mut w) = stream.into_split();
+    let mut lines = BufReader::new(r).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let reply = match serde_json::from_str::<Request>(&line) {
+            Ok(req) => dispatch(&sup, req).await,
+            Err(e) => Reply::err(ErrorKind::Invalid, format!("bad request: {e}")),
+        };
+        let mut out = serde_json::to_string(&reply).expect("replies serialize");
+        out.push('\n');
+        if w.write_all(out.as_bytes()).await.is_err() {
+            return;
+        }
+    }
+}
+
+pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
+    use policy::Pin;
+    fn json<T: serde::Serialize>(r: Result<T, SupError>) -> Result<serde_json::Value, SupError> {
+        r.map(|v| serde_json::to_value(v).expect("replies serialize"))
+    }
+    let res = match req {
+        Request::Register {
+            vm,
+            qmp,
+            drives,
+            cont,
+        } => {
+            let s = sup.clone();
+            json(tokio::task::block_in_place(move || {
+                s.register(vm, qmp, drives, cont)
+            }))
+        }
+        Request::Unregister { vm } => json(sup.unregister(&vm).await),
+        Request::Attach { vm } => json(sup.attach(&vm)),
+        Request::Detach { vm } => json(sup.detach(&vm)),
+        Request::Status => json(Ok(sup.status())),
+        Request::Explain { vm, drive } => json(sup.explain(&vm, &drive).await),
+        Request::Accelerate { vm, drive, pin } => {
+            let p = if pin { Some(Pin::Direct) } else { None };
+            json(sup.set_pin(&vm, &drive, p, pin).await)
+        }
+        Request::Handback { vm, drive, pin } => {
+            json(sup.set_pin(&vm, &drive, Some(Pin::Qemu), pin).await)
+        }
+        Request::Throttle { vm, drive, limits } => {
+            json(sup.set_throttle(&vm, &drive, limits).await)
+        }
+        Request::QemuArgs { vm, memory } => json(sup.qemu_args(&vm, &memory)),
+    };
+    match res {
+        Ok(v) => Reply::ok(v),
+        Err(e) => Reply::err(e.kind(), e.chain()),
+    }
+}
