@@ -89,6 +89,9 @@ fn default_lbs() -> u32 {
     512
 }
 
+/// Longest serial a virtio-blk GET_ID answer carries (VIRTIO 1.2 §5.2.6: 20 bytes).
+pub const MAX_SERIAL_BYTES: usize = 20;
+
 /// A drive spec, name or option that is not valid; the text says why.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 #[error("{0}")]
@@ -186,8 +189,10 @@ impl DriveSpec {
             )));
         }
         if let Some(s) = &self.serial {
-            if s.len() > 20 {
-                return Err(SpecError(format!("serial '{s}' is longer than 20 bytes")));
+            if s.len() > MAX_SERIAL_BYTES {
+                return Err(SpecError(format!(
+                    "serial '{s}' is longer than {MAX_SERIAL_BYTES} bytes"
+                )));
             }
         }
         if !self

@@ -47,6 +47,9 @@ pub struct DriveConfig {
     pub poll_us: u32,
 }
 
+// The control API checks serials against the same bound the device answers with.
+const _: () = assert!(crate::virtio_blk::ID_BYTES == accel_api::control::MAX_SERIAL_BYTES);
+
 /// A drive config that cannot be served.
 #[derive(Debug, thiserror::Error)]
 pub enum DriveConfigError {
@@ -61,7 +64,7 @@ impl DriveConfig {
     /// and the size, and rounds the capacity down to whole logical blocks (a tail shorter than
     /// one is not addressable).
     pub fn checked(mut self) -> Result<Self, DriveConfigError> {
-        if self.serial.len() > 20 {
+        if self.serial.len() > crate::virtio_blk::ID_BYTES {
             return Err(DriveConfigError::SerialTooLong(self.serial));
         }
         let block = u64::from(self.logical_block_size);
