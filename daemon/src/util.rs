@@ -9,3 +9,96 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 pub use accel_api::error_chain;
+
+/// A log-line budget: the first `burst` lines of each `period` pass, the rest are counted and
+/// reported with the next line that passes. Anything a guest, a disk, an NBD server or a QMP
+/// client can trigger goes through one, so no outside action grows the log without bound.
+#[derive(Debug)]
+pub struct LogLimit {
+    burst: u32,
+    period: std::time::Duration,
+    st: Mutex<LimitState>,
+}
+
+#[derive(Debug)]
+struct LimitState {
+    window: Option<std::time::Instant>,
+    passed: u32,
+    suppressed: u64,
+}
+
+impl LogLimit {
+    pub const fn new(burst: u32, period: std::time::Duration) -> Self {
+        LogLimit {
+            burst,
+            period,
+            st: Mutex::new(LimitState {
+                window: None,
+                passed: 0,
+                suppressed: 0,
+            }),
+        }
+    }
+
+    /// Whether to log this line now; `Some(n)`: yes, and `n` lines were suppressed since the
+    /// last one that passed.
+    pub fn admit(&self) -> Option<u64> {
+        self.admit_at(std::time::Instant::now())
+    }
+
+    fn admit_at(&self, now: std::time::Instant) -> Option<u64> {
+        let mut st = lock(&self.st);
+        let fresh = st
+            .window
+            .is_none_or(|w| now.saturating_duration_since(w) >= self.period);
+        if fresh {
+            st.window = Some(now);
+            st.passed = 0;
+        }
+        if st.passed < self.burst {
+            st.passed += 1;
+            Some(std::mem::take(&mut st.suppressed))
+        } else {
+            st.suppressed += 1;
+            None
+        }
+    }
+}
+
+impl Default for LogLimit {
+    /// 5 lines per 10 s.
+    fn default() -> Self {
+        LogLimit::new(5, std::time::Duration::from_secs(10))
+    }
+}
+
+/// ", N similar lines suppressed" when N > 0 (for a line that passed a [`LogLimit`]).
+pub fn suppressed(n: u64) -> String {
+    if n == 0 {
+        String::new()
+    } else {
+        format!(" ({n} similar lines suppressed)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_burst_then_a_count_then_a_new_window() {
+        let l = LogLimit::new(2, Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert_eq!(l.admit_at(t0), Some(0));
+        assert_eq!(l.admit_at(t0), Some(0));
+        for _ in 0..1000 {
+            assert_eq!(l.admit_at(t0 + Duration::from_secs(1)), None);
+        }
+        assert_eq!(l.admit_at(t0 + Duration::from_secs(10)), Some(1000));
+        assert_eq!(l.admit_at(t0 + Duration::from_secs(11)), Some(0));
+        assert_eq!(l.admit_at(t0 + Duration::from_secs(12)), None);
+        assert_eq!(suppressed(0), "");
+        assert_eq!(suppressed(3), " (3 similar lines suppressed)");
+    }
+}
