@@ -128,6 +128,12 @@ pub struct DriveStatus {
     /// Requests answered IOERR.
     pub errors: u64,
     pub nbd_errors: u64,
+    /// Queues whose ring the driver corrupted: they stop until the frontend resets them.
+    #[serde(default)]
+    pub broken_queues: u64,
+    /// Rings found broken since the drive started.
+    #[serde(default)]
+    pub ring_errors: u64,
     pub last_error: Option<String>,
     /// QEMU-style accounting (for `query-blockstats`).
     pub io: IoCounters,
@@ -159,7 +165,7 @@ impl Status {
     /// Prometheus text exposition of every drive's counters.
     pub fn prometheus(&self) -> String {
         type Get = fn(&DriveStatus) -> f64;
-        let metrics: [(&str, &str, Get); 9] = [
+        let metrics: [(&str, &str, Get); 11] = [
             ("accel_drive_reads_total", "counter", |d| d.reads as f64),
             ("accel_drive_writes_total", "counter", |d| d.writes as f64),
             ("accel_drive_read_bytes_total", "counter", |d| {
@@ -177,6 +183,12 @@ impl Status {
                 d.last_pause_us as f64
             }),
             ("accel_drive_iops", "gauge", |d| d.iops),
+            ("accel_drive_broken_queues", "gauge", |d| {
+                d.broken_queues as f64
+            }),
+            ("accel_drive_ring_errors_total", "counter", |d| {
+                d.ring_errors as f64
+            }),
         ];
         let mut out = String::new();
         for (name, typ, get) in metrics {
@@ -240,6 +252,8 @@ mod tests {
             bytes_written: 10,
             errors: 0,
             nbd_errors: 0,
+            broken_queues: 1,
+            ring_errors: 1,
             last_error: None,
             io: IoCounters {
                 rd_operations: 7,
@@ -265,5 +279,8 @@ mod tests {
         let prom = s.prometheus();
         assert!(prom.contains("accel_drive_reads_total{vm=\"v\",drive=\"d0\",engine=\"qemu\"} 7\n"));
         assert!(prom.contains("# TYPE accel_drive_iops gauge\n"));
+        assert!(
+            prom.contains("accel_drive_broken_queues{vm=\"v\",drive=\"d0\",engine=\"qemu\"} 1\n")
+        );
     }
 }

@@ -66,6 +66,9 @@ pub struct ServeArgs {
     /// io_uring otherwise), io_uring, or inline (preadv2/pwritev2 on the queue's thread).
     #[arg(long, value_enum, default_value_t = IoArg::Auto)]
     pub io: IoArg,
+    /// On SIGTERM or SIGINT, how long to wait for requests in flight before exiting anyway.
+    #[arg(long, default_value_t = 10_000)]
+    pub shutdown_timeout_ms: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -201,7 +204,10 @@ pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
     let drive = args.build()?;
     let mut server = Server::bind(&args.socket, drive.clone())?;
     let stop = server.shutdown_handle();
-    install_signals(stop)?;
+    install_signals(
+        stop,
+        std::time::Duration::from_millis(args.shutdown_timeout_ms),
+    )?;
     info!(
         image = %args.image.as_deref().or(args.nbd_socket.as_deref()).unwrap_or(std::path::Path::new("")).display(),
         socket = %args.socket.display(),
@@ -217,7 +223,7 @@ pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
     Ok(())
 }
 
-fn install_signals(stop: ShutdownHandle) -> Result<(), ServeCmdError> {
+fn install_signals(stop: ShutdownHandle, bound: std::time::Duration) -> Result<(), ServeCmdError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).map_err(ServeCmdError::Signals)?;
@@ -225,7 +231,12 @@ fn install_signals(stop: ShutdownHandle) -> Result<(), ServeCmdError> {
         .name("signals".into())
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
-                info!(signal = sig, "shutting down");
+                info!(
+                    signal = sig,
+                    bound_ms = bound.as_millis() as u64,
+                    "shutting down"
+                );
+                crate::drive::queue_ctl::abandon_drains_at(std::time::Instant::now() + bound);
                 stop.shutdown();
             }
         })

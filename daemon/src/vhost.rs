@@ -115,6 +115,8 @@ struct VringState {
     addr_set: bool,
     kick: Option<EventFd>,
     call: CallHandle,
+    /// The error eventfd (SET_VRING_ERR): signalled when the worker finds the ring broken.
+    err: CallHandle,
     enabled: bool,
     worker: Option<WorkerHandle>,
 }
@@ -204,7 +206,9 @@ impl Connection {
             q.set_next_used(used.0);
             q.set_ready(true);
             if !q.is_valid(&*m) {
-                warn!(drive = %drive.config().name, queue = index, "vring addresses outside guest memory");
+                if let Some(n) = drive.stats.log.vhost.admit() {
+                    warn!(drive = %drive.config().name, queue = index, "vring addresses outside guest memory{}", crate::util::suppressed(n));
+                }
                 return Err(VuError::InvalidParam);
             }
         }
@@ -221,6 +225,7 @@ impl Connection {
             mem,
             kick,
             call: v.call.clone(),
+            err: v.err.clone(),
         })
         .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
         debug!(queue = index, size = v.size, base = v.base, "queue started");
@@ -232,9 +237,10 @@ impl Connection {
     fn stop_queue(&mut self, index: usize) {
         let v = &mut self.vrings[index];
         if let Some(h) = v.worker.take() {
-            let q = h.stop();
-            v.base = q.next_avail();
-            debug!(queue = index, base = v.base, "queue stopped");
+            if let Some(q) = h.stop() {
+                v.base = q.next_avail();
+                debug!(queue = index, base = v.base, "queue stopped");
+            }
         }
     }
 
@@ -406,8 +412,9 @@ impl VhostUserBackendReqHandlerMut for Connection {
         Ok(())
     }
 
-    fn set_vring_err(&mut self, index: u8, _fd: Option<File>) -> VuResult<()> {
-        self.vring(u32::from(index))?;
+    fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        let v = self.vring(u32::from(index))?;
+        *lock(&v.err) = fd.map(file_to_eventfd);
         Ok(())
     }
 
@@ -646,7 +653,15 @@ impl Server {
                 continue;
             };
             self.connections += 1;
-            info!(drive = %self.drive.config().name, socket = %self.path.display(), "frontend connected");
+            // A frontend that sends half a message (or stops reading replies) must not hold
+            // this thread forever: QEMU sends each message whole.
+            if let Err(e) = set_socket_timeouts(handler.as_raw_fd(), MESSAGE_TIMEOUT) {
+                warn!(drive = %self.drive.config().name, "cannot bound the socket's waits: {e}");
+            }
+            let log = &self.drive.stats.log.vhost;
+            if let Some(n) = log.admit() {
+                info!(drive = %self.drive.config().name, socket = %self.path.display(), "frontend connected{}", crate::util::suppressed(n));
+            }
             loop {
                 match wait_readable(handler.as_raw_fd(), self.shutdown.as_raw_fd()) {
                     Ok(Ready::Fd) => {}
@@ -669,17 +684,22 @@ impl Server {
                         | VuError::InactiveFeature(_)
                         | VuError::InactiveOperation(_)
                         | VuError::ReqHandlerError(_)
-                        | VuError::FeatureMismatch
-                        | VuError::SocketRetry(_)),
+                        | VuError::FeatureMismatch),
                     ) => {
-                        warn!(drive = %self.drive.config().name, "vhost-user request refused: {e}");
+                        if let Some(n) = log.admit() {
+                            warn!(drive = %self.drive.config().name, "vhost-user request refused: {e}{}", crate::util::suppressed(n));
+                        }
                     }
                     Err(VuError::Disconnected) => {
-                        info!(drive = %self.drive.config().name, "frontend disconnected");
+                        if let Some(n) = log.admit() {
+                            info!(drive = %self.drive.config().name, "frontend disconnected{}", crate::util::suppressed(n));
+                        }
                         break;
                     }
                     Err(e) => {
-                        warn!(drive = %self.drive.config().name, "closing the connection: {e}");
+                        if let Some(n) = log.admit() {
+                            warn!(drive = %self.drive.config().name, "closing the connection: {e}{}", crate::util::suppressed(n));
+                        }
                         break;
                     }
                 }
@@ -696,6 +716,32 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
+}
+
+/// Longest wait for the rest of a vhost-user message, or for the frontend to take a reply.
+const MESSAGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn set_socket_timeouts(fd: RawFd, t: std::time::Duration) -> io::Result<()> {
+    let tv = libc::timeval {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_usec: t.subsec_micros() as libc::suseconds_t,
+    };
+    for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
+        // SAFETY: tv is a valid timeval that outlives the call; the length is its size.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                (&raw const tv).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 enum Ready {

@@ -87,6 +87,10 @@ pub enum LayoutError {
     ShortHeader(u64),
     #[error("request has more than {0} data segments")]
     TooManySegments(usize),
+    /// The chain ended where it said it goes on (a loop, a next index past the table, an
+    /// unreadable descriptor or a bad indirect table: virtio-queue stops there).
+    #[error("descriptor chain cut short: its last descriptor has NEXT set")]
+    Cut,
 }
 
 /// Where a request's parts are, as guest ranges: the header (split any way), the data and

@@ -21,6 +21,9 @@ pub struct ServerOptions {
     pub io: IoMode,
     /// Most microseconds each queue busy-polls (0: never).
     pub poll_us: u32,
+    /// The drive's name: its queue threads are NAME-qN (tests that watch a thread pick one
+    /// no other test uses).
+    pub name: String,
 }
 
 impl ServerOptions {
@@ -74,6 +77,7 @@ impl Default for ServerOptions {
             discard: DiscardMode::Unmap,
             io: IoMode::Uring,
             poll_us: 0,
+            name: "test".into(),
         }
     }
 }
@@ -134,7 +138,7 @@ impl TestServer {
         init_logs();
         let socket = dir.path().join("vhost.sock");
         let cfg = DriveConfig {
-            name: "test".into(),
+            name: o.name.clone(),
             serial: o.serial.clone(),
             capacity_bytes: capacity,
             logical_block_size: o.logical_block_size,

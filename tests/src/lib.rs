@@ -235,6 +235,8 @@ struct DriverQueue {
     last_used: u16,
     kick: EventFd,
     call: EventFd,
+    /// SET_VRING_ERR: the device signals it when it finds the ring broken.
+    err: EventFd,
 }
 
 /// Options of a frontend connection.
@@ -387,6 +389,7 @@ impl BlkFrontend {
         self.mem.fill(base, RING_STRIDE as usize, 0);
         let kick = EventFd::new(EFD_NONBLOCK).map_err(FrontendError::Memory)?;
         let call = EventFd::new(EFD_NONBLOCK).map_err(FrontendError::Memory)?;
+        let err = EventFd::new(EFD_NONBLOCK).map_err(FrontendError::Memory)?;
         let host = self.mem.host_addr();
         self.fe
             .set_vring_num(q, n)
@@ -415,6 +418,9 @@ impl BlkFrontend {
             .set_vring_call(q, &call)
             .map_err(proto("SET_VRING_CALL"))?;
         self.fe
+            .set_vring_err(q, &err)
+            .map_err(proto("SET_VRING_ERR"))?;
+        self.fe
             .set_vring_enable(q, true)
             .map_err(proto("SET_VRING_ENABLE"))?;
         let dq = DriverQueue {
@@ -429,6 +435,7 @@ impl BlkFrontend {
             last_used: 0,
             kick,
             call,
+            err,
         };
         if q < self.queues.len() {
             self.queues[q] = dq;
@@ -537,6 +544,41 @@ impl BlkFrontend {
     }
 
     /// Puts `head` in the avail ring (no kick).
+    /// Hostile ring: moves the avail index `jump` entries ahead without writing any entry,
+    /// and kicks.
+    pub fn corrupt_avail_idx(&mut self, q: usize, jump: u16) {
+        let dq = &mut self.queues[q];
+        dq.avail_idx = dq.avail_idx.wrapping_add(jump);
+        self.mem.w16(dq.avail + 2, dq.avail_idx);
+        fence(Ordering::SeqCst);
+        let _ = dq.kick.write(1);
+        dq.kicked_idx = dq.avail_idx;
+    }
+
+    /// Hostile ring: publishes `head` as available whatever it is (at or past the queue size
+    /// included), and kicks.
+    pub fn publish_head(&mut self, q: usize, head: u16) {
+        self.publish(q, head);
+        let dq = &mut self.queues[q];
+        fence(Ordering::SeqCst);
+        let _ = dq.kick.write(1);
+        dq.kicked_idx = dq.avail_idx;
+    }
+
+    /// Whether the device signalled the queue's error eventfd (SET_VRING_ERR), waiting up to
+    /// `timeout` for it.
+    pub fn wait_err(&self, q: usize, timeout: Duration) -> bool {
+        let fd = self.queues[q].err.as_raw_fd();
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        let r = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis().min(60_000) as i32) };
+        r == 1 && self.queues[q].err.read().is_ok()
+    }
+
     fn publish(&mut self, q: usize, head: u16) {
         let dq = &mut self.queues[q];
         let slot = u64::from(dq.avail_idx % dq.size);
@@ -783,4 +825,33 @@ pub fn check_pattern(disk_offset: u64, seed: u64, buf: &[u8]) -> Result<(), u64>
 
 pub mod fake_qemu;
 pub mod harness;
+pub mod hostile_nbd;
 pub mod load;
+
+/// CPU time (user + system) the threads of this process named `name` used so far; None when
+/// no thread has that name.
+pub fn thread_cpu(name: &str) -> Option<Duration> {
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let mut ticks = 0u64;
+    let mut found = false;
+    for t in std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() != name {
+            continue;
+        }
+        found = true;
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        // Fields after the ")" that ends the command: state is field 3, utime 14, stime 15.
+        if let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            ticks += num(11) + num(12);
+        }
+    }
+    found.then(|| Duration::from_millis(ticks * 1000 / hz))
+}

@@ -479,3 +479,153 @@ fn write_cache_follows_the_driver() {
     assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
     assert_eq!(fe.request(0, T_IN, 0, &[], 4096).unwrap().1, data);
 }
+
+/// Writes one descriptor (16 bytes) of a table the test builds itself.
+fn put_desc(fe: &BlkFrontend, gpa: u64, addr: u64, len: u32, flags: u16, next: u16) {
+    let mut d = [0u8; 16];
+    d[0..8].copy_from_slice(&addr.to_le_bytes());
+    d[8..12].copy_from_slice(&len.to_le_bytes());
+    d[12..14].copy_from_slice(&flags.to_le_bytes());
+    d[14..16].copy_from_slice(&next.to_le_bytes());
+    fe.mem.write(gpa, &d);
+}
+
+const F_NEXT: u16 = 1;
+const F_WRITE: u16 = 2;
+const F_INDIRECT: u16 = 4;
+
+#[test]
+fn indirect_tables_are_checked_like_chains() {
+    ServerOptions::each_mode(indirect_tables_are_checked_like_chains_on);
+}
+
+/// Indirect tables get the checks of a direct chain (VIRTIO 1.2 §2.7.5.3): a table whose
+/// entries loop, a nested table, a `next` past the table, an empty or oversized table, a
+/// table outside memory. Each request is answered (IOERR where it has a status byte), never
+/// served as OK, and the queue goes on.
+fn indirect_tables_are_checked_like_chains_on(base: &ServerOptions) {
+    let s = TestServer::start(base);
+    let mut fe = connect(&s, 1);
+    let sl = fe.slot(0, 5);
+    let t = sl.indirect;
+    let answer = |fe: &mut BlkFrontend, descs: &[(u64, u32, u16, u16)]| {
+        fe.mem.write(sl.status, &[0xff]);
+        let head = fe.submit_raw(0, descs).unwrap();
+        let mut used = Vec::new();
+        fe.wait_used(0, &mut used, Duration::from_secs(5)).unwrap();
+        assert_eq!(used[0].head, head);
+        let mut st = [0u8];
+        fe.mem.read(sl.status, &mut st);
+        st[0]
+    };
+    fe.mem.write(sl.header, &header(T_IN, 0));
+    // header -> status -> header ...: the entries loop.
+    put_desc(&fe, t, sl.header, 16, F_NEXT, 1);
+    put_desc(&fe, t + 16, sl.status, 1, F_WRITE | F_NEXT, 0);
+    assert_eq!(
+        answer(&mut fe, &[(t, 32, F_INDIRECT, 0)]),
+        S_IOERR,
+        "looped table"
+    );
+    // A `next` past the end of the table.
+    put_desc(&fe, t, sl.header, 16, F_NEXT, 7);
+    put_desc(&fe, t + 16, sl.status, 1, F_WRITE, 0);
+    assert_ne!(
+        answer(&mut fe, &[(t, 32, F_INDIRECT, 0)]),
+        S_OK,
+        "next past the table"
+    );
+    // A table inside a table.
+    put_desc(&fe, t, sl.header, 16, F_NEXT, 1);
+    put_desc(&fe, t + 16, t + 64, 32, F_INDIRECT, 0);
+    put_desc(&fe, t + 64, sl.status, 1, F_WRITE, 0);
+    assert_ne!(
+        answer(&mut fe, &[(t, 32, F_INDIRECT, 0)]),
+        S_OK,
+        "nested table"
+    );
+    // Empty, oversized (more than 65535 entries), outside guest memory, not a multiple of 16.
+    for (addr, len) in [(t, 0u32), (t, 16 << 16), (1u64 << 41, 32), (t, 20)] {
+        assert_ne!(
+            answer(&mut fe, &[(addr, len, F_INDIRECT, 0)]),
+            S_OK,
+            "{addr:#x}+{len}"
+        );
+    }
+    // A well-formed indirect request still works, and so does the queue.
+    put_desc(&fe, t, sl.header, 16, F_NEXT, 1);
+    put_desc(&fe, t + 16, sl.status, 1, F_WRITE, 0);
+    fe.mem.write(sl.header, &header(T_FLUSH, 0));
+    assert_eq!(answer(&mut fe, &[(t, 32, F_INDIRECT, 0)]), S_OK);
+    let data = patterned(0, 3, 512);
+    assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
+    assert_eq!(fe.request(0, T_IN, 0, &[], 512).unwrap().1, data);
+}
+
+#[test]
+fn a_corrupt_ring_breaks_only_its_queue() {
+    for (mode, base) in ServerOptions::modes() {
+        println!("mode {mode}");
+        a_corrupt_ring_breaks_only_its_queue_on(&ServerOptions {
+            name: "brk".into(),
+            ..base
+        });
+    }
+}
+
+/// Ring-level corruption, as QEMU's `virtqueue_pop` sees it: an avail index more than the
+/// queue size ahead, a head at or past the queue size. The queue stops (no spinning: its
+/// worker uses no CPU while the other queue serves thousands of requests), the vring's error
+/// eventfd fires, status counts it; the other queue keeps serving; a reconnect clears it.
+fn a_corrupt_ring_breaks_only_its_queue_on(base: &ServerOptions) {
+    let s = TestServer::start(&ServerOptions {
+        queues: 2,
+        ..base.clone()
+    });
+    let broken = || {
+        s.drive
+            .stats
+            .broken_queues
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    for case in ["avail index jump", "head past the table"] {
+        let mut fe = connect(&s, 2);
+        let data = patterned(0, 4, 4096);
+        assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
+        match case {
+            "avail index jump" => fe.corrupt_avail_idx(0, fe.queue_size() + 5),
+            _ => fe.publish_head(0, fe.queue_size() + 3),
+        }
+        assert!(
+            fe.wait_err(0, Duration::from_secs(10)),
+            "{case}: error eventfd"
+        );
+        assert_eq!(broken(), 1, "{case}");
+        let cpu0 = accel_tests::thread_cpu("brk-q0").expect("the queue's worker thread");
+        for i in 0..2000u64 {
+            let st = fe.request(1, T_OUT, 8 * (i % 64), &data, 0).unwrap().0;
+            assert_eq!(st, S_OK, "{case}: queue 1 serves");
+        }
+        assert_eq!(fe.request(1, T_IN, 0, &[], 4096).unwrap().1, data);
+        let spent = accel_tests::thread_cpu("brk-q0").expect("still there") - cpu0;
+        println!("{case}: the broken queue's worker used {spent:?} of CPU meanwhile");
+        assert!(
+            spent < Duration::from_millis(150),
+            "{case}: the broken queue spins ({spent:?} of CPU)"
+        );
+        // GET_VRING_BASE on the broken queue still answers (nothing in flight).
+        fe.get_vring_base(0).unwrap();
+        drop(fe);
+        // A new connection (a frontend reset) clears it.
+        let mut fe = connect(&s, 2);
+        assert_eq!(broken(), 0, "{case}: cleared by the reconnect");
+        assert_eq!(fe.request(0, T_IN, 0, &[], 4096).unwrap().1, data);
+    }
+    assert_eq!(
+        s.drive
+            .stats
+            .ring_errors
+            .load(std::sync::atomic::Ordering::Relaxed),
+        2
+    );
+}

@@ -11,6 +11,23 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::engine::{Engine, QueueIo};
 use crate::util::lock;
 
+/// When the process stops waiting for drains (the shutdown bound); None while running.
+static ABANDON_AT: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);
+/// How often a wait looks at the shutdown bound.
+const ABANDON_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Bounds shutdown: after `deadline`, every wait for a queue to drain or a worker to finish
+/// gives up (the process is about to exit; requests still in flight then are neither
+/// completed nor failed, so the frontend resubmits them after it reconnects). Used only when
+/// acceld stops.
+pub fn abandon_drains_at(deadline: Instant) {
+    *lock(&ABANDON_AT) = Some(deadline);
+}
+
+fn abandon_deadline() -> Option<Instant> {
+    *lock(&ABANDON_AT)
+}
+
 /// The control side of a worker, shared with the vhost-user handler and with engine switches.
 pub struct QueueCtl {
     index: usize,
@@ -79,15 +96,33 @@ impl QueueCtl {
 
     /// Waits until the worker is paused with nothing in flight (or has exited).
     pub fn wait_drained(&self, deadline: Instant) -> bool {
+        self.wait_for(Some(deadline), |st| st.drained || st.exited)
+    }
+
+    /// Waits until the worker thread has finished (after [`QueueCtl::request_stop`]); false
+    /// when the process gave up on drains first ([`abandon_drains_at`]).
+    pub fn wait_exited(&self) -> bool {
+        self.wait_for(None, |st| st.exited)
+    }
+
+    /// Waits for `done` until `deadline` (None: no deadline of its own) or the process-wide
+    /// shutdown bound, whichever comes first.
+    fn wait_for(&self, deadline: Option<Instant>, done: impl Fn(&CtlState) -> bool) -> bool {
         let mut st = lock(&self.st);
-        while !(st.drained || st.exited) {
+        while !done(&st) {
             let now = Instant::now();
-            if now >= deadline {
+            let end = match (deadline, abandon_deadline()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            if end.is_some_and(|e| now >= e) {
                 return false;
             }
+            // Wake up now and then: the shutdown bound may be set while we wait.
+            let slice = end.map_or(ABANDON_POLL, |e| (e - now).min(ABANDON_POLL));
             st = self
                 .cv
-                .wait_timeout(st, deadline - now)
+                .wait_timeout(st, slice)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }

@@ -1,7 +1,10 @@
 //! A drive's counters and latency histogram.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
+
+use crate::util::LogLimit;
 
 /// Counters of a drive, readable at any time.
 #[derive(Debug, Default)]
@@ -28,6 +31,26 @@ pub struct DriveStats {
     pub latency: LatencyHistogram,
     /// Accounting per request class, in QEMU's blockstats terms.
     pub acct: BlockAcct,
+    /// Queues whose ring the driver corrupted, stopped until the frontend resets them.
+    pub broken_queues: AtomicU64,
+    /// Rings found broken since the drive started.
+    pub ring_errors: AtomicU64,
+    pub last_ring_error: Mutex<Option<String>>,
+    /// Log budgets of what a guest or a disk can trigger on this drive.
+    pub log: DriveLogLimits,
+}
+
+/// One log budget per kind of line a guest, a disk or a frontend can repeat.
+#[derive(Debug, Default)]
+pub struct DriveLogLimits {
+    /// Failed I/O (a failing disk, a lost NBD export).
+    pub io: LogLimit,
+    /// Broken rings.
+    pub ring: LogLimit,
+    /// The call eventfd cannot be written.
+    pub call: LogLimit,
+    /// vhost-user messages refused, connections opened and closed.
+    pub vhost: LogLimit,
 }
 
 /// The request classes QEMU's block accounting knows.

@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::{error, warn};
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -66,14 +66,23 @@ pub struct WorkerHandle {
 
 impl WorkerHandle {
     /// Stops popping, waits until every popped request has completed and is in the used
-    /// ring, and returns the queue (its `next_avail` is then exact: nothing to replay).
-    pub fn stop(self) -> Queue {
+    /// ring, and returns the queue (its `next_avail` is then exact: nothing to replay). None
+    /// when the worker panicked, or when acceld is shutting down and the bound passed with
+    /// requests still in flight (the thread is left to the process exit).
+    pub fn stop(self) -> Option<Queue> {
         self.ctl.request_stop();
+        if !self.ctl.wait_exited() {
+            error!(
+                queue = self.ctl.index(),
+                "queue did not drain within the shutdown bound; its requests in flight are left to the frontend"
+            );
+            return None;
+        }
         match self.thread.join() {
-            Ok(q) => q,
+            Ok(q) => Some(q),
             Err(_) => {
                 error!(queue = self.ctl.index(), "queue worker panicked");
-                Queue::new(1).expect("a queue of size 1 is valid")
+                None
             }
         }
     }
@@ -90,6 +99,20 @@ pub struct WorkerParams {
     pub mem: MemHandle,
     pub kick: EventFd,
     pub call: CallHandle,
+    /// The vring's error eventfd (SET_VRING_ERR), signalled when the ring is found broken.
+    pub err: CallHandle,
+}
+
+/// A ring the driver corrupted: the queue stops (QEMU's `virtio_error` marks the device
+/// broken for the same cases in `virtqueue_pop`).
+#[derive(Debug, thiserror::Error)]
+pub enum RingError {
+    #[error("the avail index moved from {next} to {avail}, more than the queue size {size}")]
+    AvailIndex { next: u16, avail: u16, size: u16 },
+    #[error("the driver says descriptor {head} is available; the queue has {size}")]
+    Head { head: u16, size: u16 },
+    #[error("cannot access the ring in guest memory ({0})")]
+    Access(String),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -185,6 +208,10 @@ struct Worker {
     mem: MemHandle,
     kick: EventFd,
     call: CallHandle,
+    err: CallHandle,
+    /// The driver corrupted the ring: nothing more is popped until the frontend resets the
+    /// queue (a new worker). Requests already popped complete.
+    broken: bool,
     ctl: Arc<QueueCtl>,
     io: Box<dyn QueueIo>,
     engine: Arc<dyn Engine>,
@@ -233,6 +260,8 @@ impl Worker {
             mem: p.mem,
             kick: p.kick,
             call: p.call,
+            err: p.err,
+            broken: false,
             ctl,
             io,
             engine,
@@ -375,15 +404,79 @@ impl Worker {
         }
     }
 
-    /// Whether the driver has made requests available that were not popped yet.
+    /// Whether the driver has made requests available that were not popped yet (never for a
+    /// broken ring: nothing more is popped from it).
     fn avail_pending(&self, mem: &Mem) -> bool {
-        self.queue
+        !self.broken
+            && self
+                .queue
+                .avail_idx(mem, Ordering::Acquire)
+                .is_ok_and(|a| a.0 != self.queue.next_avail())
+    }
+
+    /// The next available chain, checked as QEMU's `virtqueue_pop` checks it: the avail index
+    /// may run ahead of what was popped by at most the queue size, and the head must name a
+    /// descriptor of the table. Either violation is a broken ring, not a bad request.
+    fn pop<'m>(&mut self, mem: &'m Mem) -> Result<Option<DescriptorChain<&'m Mem>>, RingError> {
+        let size = self.queue.size();
+        let next = self.queue.next_avail();
+        let avail = self
+            .queue
             .avail_idx(mem, Ordering::Acquire)
-            .is_ok_and(|a| a.0 != self.queue.next_avail())
+            .map_err(|e| RingError::Access(e.to_string()))?
+            .0;
+        let pending = avail.wrapping_sub(next);
+        if pending == 0 {
+            return Ok(None);
+        }
+        if pending > size {
+            return Err(RingError::AvailIndex { next, avail, size });
+        }
+        let chain = self
+            .queue
+            .iter(mem)
+            .map_err(|e| RingError::Access(e.to_string()))?
+            .next()
+            .ok_or_else(|| RingError::Access("the avail ring entry is unreadable".into()))?;
+        if chain.head_index() >= size {
+            return Err(RingError::Head {
+                head: chain.head_index(),
+                size,
+            });
+        }
+        Ok(Some(chain))
+    }
+
+    /// Stops taking requests from a corrupt ring: one log line, the vring's error eventfd
+    /// (QEMU learns of it), status and metrics. Requests already popped still complete;
+    /// a frontend reset or reconnect starts a fresh worker.
+    pub(super) fn mark_broken(&mut self, why: &RingError) {
+        if self.broken {
+            return;
+        }
+        self.broken = true;
+        let stats = &self.drive.stats;
+        stats.broken_queues.fetch_add(1, Ordering::Relaxed);
+        stats.ring_errors.fetch_add(1, Ordering::Relaxed);
+        *lock(&stats.last_ring_error) = Some(format!("queue {}: {why}", self.index));
+        if let Some(n) = stats.log.ring.admit() {
+            error!(drive = %self.drive.config().name, queue = self.index,
+                "ring broken: {why}; the queue stops until the driver resets it{}",
+                crate::util::suppressed(n));
+        }
+        if let Some(e) = lock(&self.err).as_ref() {
+            let _ = e.write(1);
+        }
     }
 
     fn finish(self) -> Queue {
         self.drive.detach_worker(&self.ctl);
+        if self.broken {
+            self.drive
+                .stats
+                .broken_queues
+                .fetch_sub(1, Ordering::Relaxed);
+        }
         let mut st = lock(&self.ctl.st);
         st.exited = true;
         self.ctl.cv.notify_all();
@@ -440,7 +533,7 @@ impl Worker {
     /// Pops every available request (while slots are free), starts them, submits once per
     /// pass. Leaves guest notifications on (unless polling), after checking the ring again.
     fn process_avail(&mut self) {
-        if self.paused || self.stopping {
+        if self.paused || self.stopping || self.broken {
             return;
         }
         let mem = self.memory();
@@ -449,13 +542,20 @@ impl Worker {
         let mut budget = BATCH_BUDGET;
         loop {
             if let Err(e) = self.queue.disable_notification(&*mem) {
-                warn!(queue = self.index, "disable_notification: {e}");
+                return self.mark_broken(&RingError::Access(e.to_string()));
             }
             let mut emptied = false;
             while !self.free.is_empty() && budget > 0 {
-                let Some(chain) = self.queue.pop_descriptor_chain(&*mem) else {
-                    emptied = true;
-                    break;
+                let chain = match self.pop(&mem) {
+                    Ok(Some(c)) => c,
+                    Ok(None) => {
+                        emptied = true;
+                        break;
+                    }
+                    Err(e) => {
+                        self.submit();
+                        return self.mark_broken(&e);
+                    }
                 };
                 budget -= 1;
                 self.start_request(chain, &mem);
@@ -483,10 +583,7 @@ impl Worker {
             match self.queue.enable_notification(&*mem) {
                 Ok(true) => continue,
                 Ok(false) => return,
-                Err(e) => {
-                    warn!(queue = self.index, "enable_notification: {e}");
-                    return;
-                }
+                Err(e) => return self.mark_broken(&RingError::Access(e.to_string())),
             }
         }
     }
@@ -517,12 +614,18 @@ impl Worker {
             Ok(true) => {
                 if let Some(call) = lock(&self.call).as_ref() {
                     if let Err(e) = call.write(1) {
-                        warn!(queue = self.index, "call eventfd: {e}");
+                        if let Some(n) = self.drive.stats.log.call.admit() {
+                            warn!(
+                                queue = self.index,
+                                "call eventfd: {e}{}",
+                                crate::util::suppressed(n)
+                            );
+                        }
                     }
                 }
             }
             Ok(false) => {}
-            Err(e) => warn!(queue = self.index, "needs_notification: {e}"),
+            Err(e) => self.mark_broken(&RingError::Access(e.to_string())),
         }
     }
 }

@@ -93,7 +93,10 @@ pub fn run(args: &RunArgs) -> Result<(), RunError> {
         .thread_name("acceld-sup")
         .build()
         .map_err(RunError::Runtime)?;
-    rt.block_on(run_async(cfg))
+    let r = rt.block_on(run_async(cfg));
+    // Tasks still blocked in a drain have been given up on (the shutdown bound).
+    rt.shutdown_timeout(Duration::from_secs(1));
+    r
 }
 
 async fn run_async(cfg: Config) -> Result<(), RunError> {
@@ -119,6 +122,7 @@ async fn run_async(cfg: Config) -> Result<(), RunError> {
         let _ = std::fs::set_permissions(&ctl_path, std::fs::Permissions::from_mode(0o600));
     }
     let metrics_addr = cfg.metrics_addr;
+    let shutdown_timeout_ms = cfg.shutdown_timeout_ms;
     let sup = Supervisor::new(cfg);
     let restored = sup.restore()?;
     info!(control = %ctl_path.display(), restored, "acceld running");
@@ -157,7 +161,12 @@ async fn run_async(cfg: Config) -> Result<(), RunError> {
             _ = int.recv() => break,
         }
     }
-    info!("shutting down: draining every drive");
+    let bound = Duration::from_millis(shutdown_timeout_ms);
+    info!(
+        bound_ms = shutdown_timeout_ms,
+        "shutting down: draining every drive"
+    );
+    crate::drive::queue_ctl::abandon_drains_at(std::time::Instant::now() + bound);
     let s = sup.clone();
     let _ = tokio::task::spawn_blocking(move || s.shutdown()).await;
     let _ = std::fs::remove_file(&ctl_path);

@@ -130,6 +130,13 @@ impl ManagedDrive {
         &self.spec.id
     }
 
+    /// Asks the vhost-user server to stop (it drains), without waiting.
+    pub fn signal_stop(&self) {
+        if let Some((h, _)) = lock(&self.server).as_ref() {
+            h.shutdown();
+        }
+    }
+
     /// Stops the vhost-user server (its connection drains) and removes the socket.
     pub fn stop_server(&self) {
         let s = lock(&self.server).take();

@@ -80,6 +80,8 @@ pub struct Config {
     pub iothread: String,
     /// Most microseconds a queue busy-polls before sleeping (adaptive; 0: never poll).
     pub poll_us: u32,
+    /// On SIGTERM, how long acceld waits for requests in flight before it exits anyway.
+    pub shutdown_timeout_ms: u64,
 }
 
 impl Default for Config {
@@ -95,6 +97,7 @@ impl Default for Config {
             poll_interval_ms: 1000,
             iothread: "accel-io".into(),
             poll_us: DEFAULT_POLL_US,
+            shutdown_timeout_ms: 10_000,
         }
     }
 }
@@ -243,8 +246,15 @@ impl Supervisor {
     pub fn shutdown(&self) {
         self.stopping.store(true, Ordering::Relaxed);
         self.save();
-        for vm in self.all_vms() {
+        let vms = self.all_vms();
+        // Every server drains at once: the shutdown bound holds for all of them together.
+        for vm in &vms {
             vm.stop_task();
+            for d in vm.drives.values() {
+                d.signal_stop();
+            }
+        }
+        for vm in &vms {
             for d in vm.drives.values() {
                 d.stop_server();
                 // Drop image locks now rather than when the kernel tears the rings down.

@@ -38,6 +38,10 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         });
         (pin, i.throttle.clone())
     };
+    // A ring broken now is the most urgent thing to show.
+    let ring_last = (s.broken_queues.load(Ordering::Relaxed) > 0)
+        .then(|| lock(&s.last_ring_error).clone())
+        .flatten();
     let st = lock(&d.stats);
     let nbd_errors = st
         .nbd
@@ -73,7 +77,9 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         bytes_written: s.bytes_written.load(Ordering::Relaxed),
         errors: s.io_errors.load(Ordering::Relaxed),
         nbd_errors,
-        last_error: st.last_error.clone().or(nbd_last),
+        broken_queues: s.broken_queues.load(Ordering::Relaxed),
+        ring_errors: s.ring_errors.load(Ordering::Relaxed),
+        last_error: ring_last.or_else(|| st.last_error.clone()).or(nbd_last),
         io: s.acct.counters(),
     }
 }

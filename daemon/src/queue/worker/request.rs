@@ -94,12 +94,22 @@ impl InFlight {
 impl Worker {
     pub(super) fn start_request(&mut self, chain: DescriptorChain<&Mem>, mem: &Arc<Mem>) {
         let head = chain.head_index();
-        let descs = chain.map(|d| Desc {
-            addr: d.addr().0,
-            len: d.len(),
-            writable: d.is_write_only(),
+        // virtio-queue ends a chain quietly wherever it cannot go on (a loop cut by its
+        // length bound, a next index past the table, an unreadable descriptor, a bad indirect
+        // table): a chain whose last descriptor still says NEXT was cut, and is malformed.
+        let mut cut = false;
+        let descs = chain.map(|d| {
+            cut = d.has_next();
+            Desc {
+                addr: d.addr().0,
+                len: d.len(),
+                writable: d.is_write_only(),
+            }
         });
-        let split = split_chain(descs, MAX_SEGS, &mut self.layout);
+        let mut split = split_chain(descs, MAX_SEGS, &mut self.layout);
+        if cut && split.is_ok() {
+            split = Err(virtio_blk::LayoutError::Cut);
+        }
         let status = self.layout.status;
         let decoded = match split {
             Ok(()) => self.decode(mem),
@@ -401,8 +411,13 @@ impl Worker {
     }
 
     pub(super) fn io_error(&mut self, idx: usize, res: i32) {
-        let e = std::io::Error::from_raw_os_error(-res);
-        warn!(drive = %self.drive.config().name, queue = self.index, op = ?self.slots[idx].op, "I/O failed: {}", if res == 0 { "unexpected end of file".to_string() } else { e.to_string() });
+        if let Some(n) = self.drive.stats.log.io.admit() {
+            let e = std::io::Error::from_raw_os_error(-res);
+            warn!(drive = %self.drive.config().name, queue = self.index, op = ?self.slots[idx].op,
+                "I/O failed: {}{}",
+                if res == 0 { "unexpected end of file".to_string() } else { e.to_string() },
+                crate::util::suppressed(n));
+        }
         self.complete(idx, S_IOERR);
     }
 
@@ -448,9 +463,7 @@ impl Worker {
         if slot.status != u64::MAX && mem.write_obj(status, GuestAddress(slot.status)).is_err() {
             debug!(queue = self.index, "status byte outside guest memory");
         }
-        if let Err(e) = self.queue.add_used(&*mem, slot.head, slot.used_len) {
-            warn!(queue = self.index, "add_used: {e}");
-        }
+        let used = self.queue.add_used(&*mem, slot.head, slot.used_len);
         slot.op = Op::Flush;
         let freed_bounce = slot.bounce.take();
         self.used_added = true;
@@ -465,6 +478,10 @@ impl Worker {
                 }
                 None => self.bounce.free.push(b),
             }
+        }
+        if let Err(e) = used {
+            // The used ring is not guest memory (any more): nothing can complete there.
+            self.mark_broken(&super::RingError::Access(e.to_string()));
         }
     }
 }

@@ -1,0 +1,171 @@
+//! A hostile NBD server: a correct fixed-newstyle handshake (with structured replies), then
+//! answers to READ requests that break the protocol in one chosen way. For tests of the qemu
+//! engine's reply parser against a server that lies.
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+
+/// How the server answers each request after the handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Behaviour {
+    /// Reads requests and never answers (a hung export).
+    Silent,
+    /// A simple reply with a cookie no request has.
+    WrongCookie,
+    /// A data chunk larger than the request.
+    Oversized,
+    /// A data chunk that announces the request's length, then half of it, then EOF.
+    ShortData,
+    /// Random bytes instead of a reply.
+    Garbage,
+    /// An error chunk whose message is longer than the chunk.
+    ErrorTooLong,
+    /// A hole chunk whose length is not 12.
+    BadHole,
+}
+
+impl Behaviour {
+    pub const ALL: [Behaviour; 7] = [
+        Behaviour::Silent,
+        Behaviour::WrongCookie,
+        Behaviour::Oversized,
+        Behaviour::ShortData,
+        Behaviour::Garbage,
+        Behaviour::ErrorTooLong,
+        Behaviour::BadHole,
+    ];
+}
+
+pub struct HostileNbd {
+    pub socket: PathBuf,
+    pub export: String,
+}
+
+const STRUCTURED: u32 = 0x668e_33ef;
+const SIMPLE: u32 = 0x6744_6698;
+
+impl HostileNbd {
+    /// Listens on `socket`; every connection is served on its own thread.
+    pub fn start(socket: &Path, size: u64, how: Behaviour) -> std::io::Result<Self> {
+        let _ = std::fs::remove_file(socket);
+        let l = UnixListener::bind(socket)?;
+        std::thread::spawn(move || {
+            for c in l.incoming().map_while(Result::ok) {
+                std::thread::spawn(move || {
+                    let _ = serve(c, size, how);
+                });
+            }
+        });
+        Ok(HostileNbd {
+            socket: socket.to_path_buf(),
+            export: "hostile".into(),
+        })
+    }
+}
+
+fn serve(mut s: UnixStream, size: u64, how: Behaviour) -> std::io::Result<()> {
+    s.write_all(b"NBDMAGICIHAVEOPT")?;
+    s.write_all(&3u16.to_be_bytes())?;
+    let mut b4 = [0u8; 4];
+    s.read_exact(&mut b4)?;
+    loop {
+        let mut h = [0u8; 16];
+        s.read_exact(&mut h)?;
+        let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
+        let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let mut data = vec![0u8; len.min(4096) as usize];
+        s.read_exact(&mut data)?;
+        let reply = |s: &mut UnixStream, typ: u32, payload: &[u8]| -> std::io::Result<()> {
+            let mut r = Vec::new();
+            r.extend_from_slice(&0x0003_e889_0455_65a9u64.to_be_bytes());
+            r.extend_from_slice(&opt.to_be_bytes());
+            r.extend_from_slice(&typ.to_be_bytes());
+            r.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+            r.extend_from_slice(payload);
+            s.write_all(&r)
+        };
+        match opt {
+            8 => reply(&mut s, 1, &[])?,
+            7 => {
+                let mut info = Vec::new();
+                info.extend_from_slice(&0u16.to_be_bytes());
+                info.extend_from_slice(&size.to_be_bytes());
+                info.extend_from_slice(&(1u16 | 4 | 8 | 32 | 64).to_be_bytes());
+                reply(&mut s, 3, &info)?;
+                reply(&mut s, 1, &[])?;
+                break;
+            }
+            _ => reply(&mut s, (1 << 31) + 1, b"unsupported")?,
+        }
+    }
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    loop {
+        let mut h = [0u8; 28];
+        s.read_exact(&mut h)?;
+        let typ = u16::from_be_bytes(h[6..8].try_into().unwrap());
+        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        let off = u64::from_be_bytes(h[16..24].try_into().unwrap());
+        let len = u32::from_be_bytes(h[24..28].try_into().unwrap());
+        if typ == 1 {
+            let mut d = vec![0u8; len as usize];
+            s.read_exact(&mut d)?;
+        }
+        if typ == 2 {
+            return Ok(());
+        }
+        let chunk = |flags: u16, ctype: u16, clen: u32| {
+            let mut r = STRUCTURED.to_be_bytes().to_vec();
+            r.extend_from_slice(&flags.to_be_bytes());
+            r.extend_from_slice(&ctype.to_be_bytes());
+            r.extend_from_slice(&cookie.to_be_bytes());
+            r.extend_from_slice(&clen.to_be_bytes());
+            r
+        };
+        let out: Vec<u8> = match how {
+            Behaviour::Silent => continue,
+            Behaviour::WrongCookie => {
+                let mut r = SIMPLE.to_be_bytes().to_vec();
+                r.extend_from_slice(&0u32.to_be_bytes());
+                r.extend_from_slice(&(cookie ^ 0xdead_0000_0000).to_be_bytes());
+                r
+            }
+            Behaviour::Oversized => {
+                let extra = len + 4096;
+                let mut r = chunk(1, 1, extra + 8);
+                r.extend_from_slice(&off.to_be_bytes());
+                r.extend(std::iter::repeat_n(0xab, extra as usize));
+                r
+            }
+            Behaviour::ShortData => {
+                let mut r = chunk(1, 1, len + 8);
+                r.extend_from_slice(&off.to_be_bytes());
+                r.extend(std::iter::repeat_n(0xcd, (len / 2) as usize));
+                s.write_all(&r)?;
+                return Ok(());
+            }
+            Behaviour::Garbage => (0..64)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed as u8
+                })
+                .collect(),
+            Behaviour::ErrorTooLong => {
+                let mut r = chunk(1, (1 << 15) | 1, 6);
+                r.extend_from_slice(&5u32.to_be_bytes());
+                r.extend_from_slice(&60_000u16.to_be_bytes());
+                r
+            }
+            Behaviour::BadHole => {
+                let mut r = chunk(1, 2, 16);
+                r.extend_from_slice(&off.to_be_bytes());
+                r.extend_from_slice(&len.to_be_bytes());
+                r.extend_from_slice(&[0; 4]);
+                r
+            }
+        };
+        s.write_all(&out)?;
+    }
+}
