@@ -29,10 +29,9 @@ use tokio::sync::{broadcast, oneshot};
 use tracing::{debug, warn};
 
 pub mod commands;
+pub mod wire;
 
-/// Longest line accepted from QEMU (a `query-named-block-nodes` of a big VM is large, but not
-/// this large).
-const MAX_LINE: usize = 64 << 20;
+use wire::MAX_LINE;
 /// Events buffered per subscriber before it is told it lagged.
 const EVENT_BUFFER: usize = 4096;
 
@@ -94,7 +93,7 @@ pub struct Greeting {
 }
 
 /// An asynchronous event from QEMU. `data` is kept as JSON: unknown events and fields are fine.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Event {
     pub name: String,
     pub data: Value,
@@ -226,26 +225,10 @@ async fn read_message(r: &mut BufReader<OwnedReadHalf>) -> Result<Option<Value>,
         if n == 0 {
             return Ok(None);
         }
-        if line.len() > MAX_LINE {
-            return Err(QmpError::Protocol(format!(
-                "message longer than {MAX_LINE} bytes"
-            )));
+        match wire::decode_line(&line)? {
+            None => continue,
+            Some(v) => return Ok(Some(v)),
         }
-        if !line.ends_with(b"\n") {
-            return Err(QmpError::Protocol(format!(
-                "truncated message at end of stream: {}",
-                String::from_utf8_lossy(&line[..line.len().min(200)])
-            )));
-        }
-        if line.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
-        return serde_json::from_slice(&line).map(Some).map_err(|e| {
-            QmpError::Protocol(format!(
-                "invalid JSON from the peer ({e}): {}",
-                String::from_utf8_lossy(&line[..line.len().min(200)]).trim_end()
-            ))
-        });
     }
 }
 
@@ -384,7 +367,7 @@ async fn reader_task(mut r: BufReader<OwnedReadHalf>, inner: Arc<Inner>) {
         match read_message(&mut r).await {
             Ok(None) => break "QEMU closed the socket".to_string(),
             Err(e) => break e.to_string(),
-            Ok(Some(v)) => dispatch(&inner, &v),
+            Ok(Some(v)) => dispatch(&inner, v),
         }
     };
     debug!(path = %inner.path.display(), %reason, "QMP reader ended");
@@ -396,37 +379,42 @@ async fn reader_task(mut r: BufReader<OwnedReadHalf>, inner: Arc<Inner>) {
     }
 }
 
-fn dispatch(inner: &Inner, v: &Value) {
-    if let Some(name) = v.get("event").and_then(Value::as_str) {
-        let ts = &v["timestamp"];
-        let ev = Event {
-            name: name.to_string(),
-            data: v.get("data").cloned().unwrap_or(Value::Null),
-            timestamp: (
-                ts["seconds"].as_i64().unwrap_or(0),
-                ts["microseconds"].as_i64().unwrap_or(0),
-            ),
-        };
-        // No subscriber is fine: nobody asked for events.
-        let _ = inner.events.send(ev);
-        return;
+fn dispatch(inner: &Inner, v: Value) {
+    match wire::classify(v) {
+        wire::Message::Event(ev) => {
+            // No subscriber is fine: nobody asked for events.
+            let _ = inner.events.send(ev);
+        }
+        wire::Message::Reply { id, result } => {
+            let Some((command, tx)) = lock(&inner.pending).remove(&id) else {
+                if admit_warning() {
+                    warn!(id, "QMP reply for no pending command (timed out?)");
+                }
+                return;
+            };
+            let reply = result.map_err(|(class, desc)| QmpError::Qemu {
+                command,
+                class,
+                desc,
+            });
+            let _ = tx.send(reply);
+        }
+        wire::Message::Unexpected(v) => {
+            if admit_warning() {
+                let text = v.to_string();
+                warn!(
+                    "QMP message without a command id or an event ignored: {}",
+                    &text[..text.len().min(200)]
+                );
+            }
+        }
     }
-    let Some(id) = v.get("id").and_then(Value::as_u64) else {
-        warn!("QMP message without id or event ignored: {v}");
-        return;
-    };
-    let Some((command, tx)) = lock(&inner.pending).remove(&id) else {
-        warn!(id, "QMP reply for no pending command (timed out?)");
-        return;
-    };
-    let reply = if let Some(e) = v.get("error") {
-        Err(qemu_error(&command, e))
-    } else if let Some(r) = v.get("return") {
-        Ok(r.clone())
-    } else {
-        Err(QmpError::Protocol(format!(
-            "reply with neither return nor error: {v}"
-        )))
-    };
-    let _ = tx.send(reply);
+}
+
+/// The peer decides how many odd messages it sends: the first few are logged, then one in
+/// a thousand.
+fn admit_warning() -> bool {
+    static SEEN: AtomicU64 = AtomicU64::new(0);
+    let n = SEEN.fetch_add(1, Ordering::Relaxed);
+    n < 5 || n % 1000 == 0
 }

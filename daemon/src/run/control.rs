@@ -3,26 +3,53 @@
 
 use std::sync::Arc;
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
 use crate::control::{ErrorKind, Reply, Request};
 use crate::supervisor::{SupError, Supervisor};
 
+/// Longest request line; a client that sends more gets an error and is disconnected.
+pub const MAX_REQUEST: usize = 1 << 20;
+
+/// Parses one request line into a request, or the reply that refuses it.
+pub fn parse_request(line: &[u8]) -> Result<Request, Reply> {
+    serde_json::from_slice::<Request>(line)
+        .map_err(|e| Reply::err(ErrorKind::Invalid, format!("bad request: {e}")))
+}
+
 pub(super) async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>) {
     let (r, mut w) = stream.into_split();
-    let mut lines = BufReader::new(r).lines();
-    while let Ok(Some(line)) = lines.next_line().await {
-        if line.trim().is_empty() {
+    let mut r = BufReader::new(r);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = match (&mut r)
+            .take(MAX_REQUEST as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .await
+        {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let too_long = n > MAX_REQUEST;
+        if line.iter().all(u8::is_ascii_whitespace) && !too_long {
             continue;
         }
-        let reply = match serde_json::from_str::<Request>(&line) {
-            Ok(req) => dispatch(&sup, req).await,
-            Err(e) => Reply::err(ErrorKind::Invalid, format!("bad request: {e}")),
+        let reply = if too_long {
+            Reply::err(
+                ErrorKind::Invalid,
+                format!("request longer than {MAX_REQUEST} bytes"),
+            )
+        } else {
+            match parse_request(&line) {
+                Ok(req) => dispatch(&sup, req).await,
+                Err(reply) => reply,
+            }
         };
         let mut out = serde_json::to_string(&reply).expect("replies serialize");
         out.push('\n');
-        if w.write_all(out.as_bytes()).await.is_err() {
+        if w.write_all(out.as_bytes()).await.is_err() || too_long {
             return;
         }
     }

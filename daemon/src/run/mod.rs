@@ -15,8 +15,8 @@ use crate::supervisor::{Config, SupError, Supervisor};
 mod control;
 mod metrics;
 
-pub use control::dispatch;
 use control::handle_client;
+pub use control::{dispatch, parse_request, MAX_REQUEST};
 use metrics::serve_metrics;
 
 /// Run the supervisor daemon.

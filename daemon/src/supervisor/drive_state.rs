@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::drive::Drive;
 use crate::engine::nbd::NbdStats;
-use crate::util::lock;
+use crate::util::{lock, LogLimit};
 use crate::vhost::ShutdownHandle;
 
 /// The drive's QEMU nodes as they were before acceld removed them, to re-create them.
@@ -100,6 +100,9 @@ pub struct ManagedDrive {
     pub graph: Mutex<GraphRecord>,
     pub observed: Mutex<Observed>,
     pub stats: Mutex<SwitchStats>,
+    /// Budget of the supervisor's lines about this drive (a VM or a QMP client can make the
+    /// same failure repeat every reconcile).
+    pub log: LogLimit,
 }
 
 impl ManagedDrive {
@@ -123,6 +126,7 @@ impl ManagedDrive {
             graph: Mutex::new(graph),
             observed: Mutex::new(Observed::default()),
             stats: Mutex::new(SwitchStats::default()),
+            log: LogLimit::default(),
         }
     }
 

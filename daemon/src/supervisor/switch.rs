@@ -75,7 +75,9 @@ impl Supervisor {
             }
             Action::ToQemu(why) => {
                 if why == ToQemu::ExportGone {
-                    warn!(drive = %d.spec.id, "acceld's NBD export is gone; re-creating it");
+                    if let Some(n) = d.log.admit() {
+                        warn!(drive = %d.spec.id, "acceld's NBD export is gone; re-creating it{}", crate::util::suppressed(n));
+                    }
                 }
                 self.transition(vm, d, qmp, Target::Qemu).await
             }
@@ -115,7 +117,9 @@ impl Supervisor {
                 Ok(())
             }
             Err((paused, e)) => {
-                warn!(vm = %vm.name, drive = %d.spec.id, "switch to {} failed, rolling back: {}", to.kind().as_str(), e.chain());
+                if let Some(n) = d.log.admit() {
+                    warn!(vm = %vm.name, drive = %d.spec.id, "switch to {} failed, rolling back: {}{}", to.kind().as_str(), e.chain(), crate::util::suppressed(n));
+                }
                 lock(&d.stats).failed_switches += 1;
                 let back = match from {
                     EngineKind::Direct => {

@@ -15,7 +15,7 @@ use super::drive_state::ManagedDrive;
 use super::persist::{SavedDrive, SavedVm};
 use super::plan::{self, Action, PlanInput, Quiet, Timer};
 use super::{observe, qmp_run, SupError, Supervisor};
-use crate::util::lock;
+use crate::util::{lock, suppressed, LogLimit};
 
 pub struct Vm {
     pub name: String,
@@ -28,6 +28,8 @@ pub struct Vm {
     pub(super) attach_error: Mutex<Option<String>>,
     pub(super) run_state: Mutex<String>,
     continued: AtomicBool,
+    /// Budget of the lines about this VM that repeat (attach retries).
+    log: LogLimit,
 }
 
 impl Vm {
@@ -49,6 +51,7 @@ impl Vm {
             attach_error: Mutex::new(None),
             run_state: Mutex::new(String::new()),
             continued: AtomicBool::new(false),
+            log: LogLimit::default(),
         }
     }
 
@@ -146,7 +149,9 @@ impl Supervisor {
                 }
                 Err(e) => {
                     let msg = e.chain();
-                    warn!(vm = %vm.name, "attach failed: {msg}");
+                    if let Some(n) = vm.log.admit() {
+                        warn!(vm = %vm.name, "attach failed: {msg}{}", suppressed(n));
+                    }
                     *lock(&vm.attach_error) = Some(msg);
                 }
             }
@@ -242,7 +247,9 @@ impl Supervisor {
         for d in vm.drives.values() {
             if let Err(e) = self.reconcile(vm, d, &qmp, urgent).await {
                 let msg = e.chain();
-                warn!(vm = %vm.name, drive = %d.spec.id, "{msg}");
+                if let Some(n) = d.log.admit() {
+                    warn!(vm = %vm.name, drive = %d.spec.id, "{msg}{}", suppressed(n));
+                }
                 lock(&d.stats).last_error = Some(msg);
             }
         }
