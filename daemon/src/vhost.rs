@@ -92,8 +92,18 @@ struct Mapping {
 }
 
 impl Mapping {
-    /// Maps one region the frontend sent (SET_MEM_TABLE or ADD_MEM_REGION).
+    /// Maps one region the frontend sent (SET_MEM_TABLE or ADD_MEM_REGION). A region that
+    /// reaches past the end of its file is refused: touching a mapped page past the end of a
+    /// file is SIGBUS, which would end acceld and every drive it serves.
     fn new(r: &VhostUserMemoryRegion, file: File) -> VuResult<Self> {
+        let meta = file.metadata().map_err(VuError::ReqHandlerError)?;
+        let end = r.mmap_offset.checked_add(r.memory_size);
+        if meta.file_type().is_file() && end.is_none_or(|e| e > meta.len()) {
+            return Err(VuError::InvalidParam);
+        }
+        if r.memory_size == 0 || r.guest_phys_addr.checked_add(r.memory_size).is_none() {
+            return Err(VuError::InvalidParam);
+        }
         let region = GuestRegionMmap::new(r.mmap_region(file)?, GuestAddress(r.guest_phys_addr))
             .ok_or(VuError::InvalidParam)?;
         Ok(Mapping {

@@ -74,7 +74,7 @@ fn proto(what: &'static str) -> impl FnOnce(vhost::Error) -> FrontendError {
 
 /// Shared memory playing the guest's RAM (memfd, MAP_SHARED).
 pub struct GuestMem {
-    file: File,
+    pub file: File,
     ptr: *mut u8,
     size: usize,
 }
@@ -175,7 +175,7 @@ impl GuestMem {
         self.write(gpa, &d);
     }
 
-    fn host_addr(&self) -> u64 {
+    pub fn host_addr(&self) -> u64 {
         self.ptr as u64
     }
 }

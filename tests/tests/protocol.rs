@@ -629,3 +629,34 @@ fn a_corrupt_ring_breaks_only_its_queue_on(base: &ServerOptions) {
         2
     );
 }
+
+/// A memory table whose region reaches past the end of its file: mapping it is possible, but
+/// touching the pages past the end would be SIGBUS and end acceld with every drive it serves.
+/// acceld refuses the table and goes on serving.
+#[test]
+fn a_memory_region_past_its_file_is_refused() {
+    use vhost::{VhostBackend, VhostUserMemoryRegionInfo};
+    let s = TestServer::start(&ServerOptions::default());
+    let mem = accel_tests::GuestMem::new(1 << 20).unwrap();
+    let (mut fe, _) = accel_tests::handshake(&s.socket, 1).unwrap();
+    // REPLY_ACK (negotiated by the handshake): every message gets its answer.
+    fe.set_hdr_flags(vhost::vhost_user::message::VhostUserHeaderFlag::NEED_REPLY);
+    for (size, offset) in [(2u64 << 20, 0u64), (1 << 20, 4096), (u64::MAX, 0), (0, 0)] {
+        let region = VhostUserMemoryRegionInfo {
+            guest_phys_addr: 0,
+            memory_size: size,
+            userspace_addr: mem.host_addr(),
+            mmap_offset: offset,
+            mmap_handle: std::os::fd::AsRawFd::as_raw_fd(&mem.file),
+        };
+        assert!(
+            fe.set_mem_table(&[region]).is_err(),
+            "a region of {size} bytes at offset {offset} over a 1 MiB file was accepted"
+        );
+    }
+    drop(fe);
+    let mut fe = connect(&s, 1);
+    let data = patterned(0, 9, 512);
+    assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
+    assert_eq!(fe.request(0, T_IN, 0, &[], 512).unwrap().1, data);
+}
