@@ -638,7 +638,7 @@ fn a_memory_region_past_its_file_is_refused() {
     use vhost::{VhostBackend, VhostUserMemoryRegionInfo};
     let s = TestServer::start(&ServerOptions::default());
     let mem = accel_tests::GuestMem::new(1 << 20).unwrap();
-    let (mut fe, _) = accel_tests::handshake(&s.socket, 1).unwrap();
+    let (fe, _) = accel_tests::handshake(&s.socket, 1).unwrap();
     // REPLY_ACK (negotiated by the handshake): every message gets its answer.
     fe.set_hdr_flags(vhost::vhost_user::message::VhostUserHeaderFlag::NEED_REPLY);
     for (size, offset) in [(2u64 << 20, 0u64), (1 << 20, 4096), (u64::MAX, 0), (0, 0)] {
