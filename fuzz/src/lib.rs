@@ -11,7 +11,11 @@
 
 use std::fs::File;
 use std::os::fd::FromRawFd;
+use std::panic::AssertUnwindSafe;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use acceld::engine::nbd::reply::{self, Chunk, ReplyHeader};
 use acceld::virtio_blk::{self, Desc, DiskGeometry, DwzSegment, Header, Layout, Op};
@@ -466,5 +470,137 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             vec![s]
         }
         _ => Vec::new(),
+    }
+}
+
+/// Panics anywhere in the process (queue workers included), counted by the hook.
+pub static PANICS: AtomicU64 = AtomicU64::new(0);
+
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+}
+
+/// One input: fresh random bytes, or a seed or the previous input mutated (flips, interesting
+/// values, inserted and deleted runs, splices).
+pub fn input(rng: &mut Rng, seeds: &[Vec<u8>], last: &[u8], max: usize) -> Vec<u8> {
+    let mut v = match rng.below(8) {
+        0 => (0..rng.below(max)).map(|_| rng.next_u64() as u8).collect(),
+        1..=4 if !seeds.is_empty() => seeds[rng.below(seeds.len())].clone(),
+        _ => last.to_vec(),
+    };
+    for _ in 0..1 + rng.below(8) {
+        let n = v.len();
+        match rng.below(7) {
+            0 if n > 0 => {
+                let i = rng.below(n);
+                v[i] ^= 1 << rng.below(8);
+            }
+            1 if n > 0 => {
+                let i = rng.below(n);
+                v[i] = [0, 1, 0x7f, 0x80, 0xff, 16, 64][rng.below(7)];
+            }
+            2 if n >= 4 => {
+                let i = rng.below(n - 3);
+                let x: u32 = [0, 1, u32::MAX, 0x8000_0000, 4096, 65535, 65536][rng.below(7)];
+                v[i..i + 4].copy_from_slice(&x.to_le_bytes());
+            }
+            3 if v.len() < max => {
+                let i = rng.below(n + 1);
+                let k = rng.below(32);
+                let ins: Vec<u8> = (0..k).map(|_| rng.next_u64() as u8).collect();
+                v.splice(i..i, ins);
+            }
+            4 if n > 0 => {
+                let i = rng.below(n);
+                let k = rng.below(n - i + 1);
+                v.drain(i..i + k);
+            }
+            5 if !seeds.is_empty() => {
+                let s = &seeds[rng.below(seeds.len())];
+                let i = rng.below(v.len() + 1);
+                let j = rng.below(s.len() + 1);
+                v.truncate(i);
+                v.extend_from_slice(&s[j..]);
+            }
+            _ => v.push(rng.next_u64() as u8),
+        }
+    }
+    v.truncate(max);
+    v
+}
+
+/// Counts every panic of the process (queue worker threads included) in [`PANICS`], then
+/// runs the previous hook. Install once, before running targets.
+pub fn count_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICS.fetch_add(1, Ordering::Relaxed);
+            prev(info);
+        }));
+    });
+}
+
+/// What one target's run found.
+#[derive(Clone, Copy, Debug)]
+pub struct Report {
+    pub executions: u64,
+    pub crashes: u64,
+    pub secs: f64,
+}
+
+/// Runs `f` on `runs` inputs: its seeds first, then random and mutated ones. A crashing input
+/// is written to `crash_dir` (when given). Call [`count_panics`] first.
+pub fn run_target(
+    name: &str,
+    f: Target,
+    runs: u64,
+    seed: u64,
+    max_len: usize,
+    crash_dir: Option<&Path>,
+) -> Report {
+    let seeds = seeds(name);
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut last = seeds.first().cloned().unwrap_or_default();
+    let t0 = Instant::now();
+    let mut crashes = 0u64;
+    for n in 0..runs {
+        let data = if n < seeds.len() as u64 {
+            seeds[n as usize].clone()
+        } else {
+            input(&mut rng, &seeds, &last, max_len)
+        };
+        let before = PANICS.load(Ordering::Relaxed);
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| f(&data)));
+        if r.is_err() || PANICS.load(Ordering::Relaxed) != before {
+            crashes += 1;
+            if let Some(dir) = crash_dir {
+                let _ = std::fs::create_dir_all(dir);
+                let p = dir.join(format!("{name}-{n}"));
+                let _ = std::fs::write(&p, &data);
+                eprintln!(
+                    "{name}: crash at execution {n}, input saved to {}",
+                    p.display()
+                );
+            }
+        }
+        last = data;
+    }
+    Report {
+        executions: runs,
+        crashes,
+        secs: t0.elapsed().as_secs_f64(),
     }
 }

@@ -309,46 +309,9 @@ impl FakeQemu {
 fn serve_nbd(mut s: UnixStream, model: &Mutex<Model>, image: &Path) -> std::io::Result<()> {
     let f = File::options().read(true).write(true).open(image)?;
     let size = f.metadata()?.len();
-    s.write_all(b"NBDMAGICIHAVEOPT")?;
-    s.write_all(&3u16.to_be_bytes())?;
-    let mut b4 = [0u8; 4];
-    s.read_exact(&mut b4)?;
-    loop {
-        let mut h = [0u8; 16];
-        s.read_exact(&mut h)?;
-        let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
-        let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
-        let mut data = vec![0u8; len as usize];
-        s.read_exact(&mut data)?;
-        let reply = |s: &mut UnixStream, typ: u32, payload: &[u8]| -> std::io::Result<()> {
-            let mut r = Vec::new();
-            r.extend_from_slice(&0x0003_e889_0455_65a9u64.to_be_bytes());
-            r.extend_from_slice(&opt.to_be_bytes());
-            r.extend_from_slice(&typ.to_be_bytes());
-            r.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-            r.extend_from_slice(payload);
-            s.write_all(&r)
-        };
-        match opt {
-            7 => {
-                let nlen = u32::from_be_bytes(data[0..4].try_into().unwrap()) as usize;
-                let name = String::from_utf8_lossy(&data[4..4 + nlen]).into_owned();
-                let known = lock(model).exports.values().any(|(_, n)| n == &name);
-                if !known {
-                    reply(&mut s, (1 << 31) + 6, b"unknown export")?;
-                    continue;
-                }
-                let mut info = Vec::new();
-                info.extend_from_slice(&0u16.to_be_bytes());
-                info.extend_from_slice(&size.to_be_bytes());
-                info.extend_from_slice(&(1u16 | 4 | 8 | 32 | 64).to_be_bytes());
-                reply(&mut s, 3, &info)?;
-                reply(&mut s, 1, &[])?;
-                break;
-            }
-            _ => reply(&mut s, (1 << 31) + 1, b"unsupported")?,
-        }
-    }
+    crate::nbd_server::handshake(&mut s, size, 1 | 4 | 8 | 32 | 64, false, &|name| {
+        lock(model).exports.values().any(|(_, n)| n == name)
+    })?;
     loop {
         let mut h = [0u8; 28];
         s.read_exact(&mut h)?;

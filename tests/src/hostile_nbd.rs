@@ -65,40 +65,7 @@ impl HostileNbd {
 }
 
 fn serve(mut s: UnixStream, size: u64, how: Behaviour) -> std::io::Result<()> {
-    s.write_all(b"NBDMAGICIHAVEOPT")?;
-    s.write_all(&3u16.to_be_bytes())?;
-    let mut b4 = [0u8; 4];
-    s.read_exact(&mut b4)?;
-    loop {
-        let mut h = [0u8; 16];
-        s.read_exact(&mut h)?;
-        let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
-        let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
-        let mut data = vec![0u8; len.min(4096) as usize];
-        s.read_exact(&mut data)?;
-        let reply = |s: &mut UnixStream, typ: u32, payload: &[u8]| -> std::io::Result<()> {
-            let mut r = Vec::new();
-            r.extend_from_slice(&0x0003_e889_0455_65a9u64.to_be_bytes());
-            r.extend_from_slice(&opt.to_be_bytes());
-            r.extend_from_slice(&typ.to_be_bytes());
-            r.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-            r.extend_from_slice(payload);
-            s.write_all(&r)
-        };
-        match opt {
-            8 => reply(&mut s, 1, &[])?,
-            7 => {
-                let mut info = Vec::new();
-                info.extend_from_slice(&0u16.to_be_bytes());
-                info.extend_from_slice(&size.to_be_bytes());
-                info.extend_from_slice(&(1u16 | 4 | 8 | 32 | 64).to_be_bytes());
-                reply(&mut s, 3, &info)?;
-                reply(&mut s, 1, &[])?;
-                break;
-            }
-            _ => reply(&mut s, (1 << 31) + 1, b"unsupported")?,
-        }
-    }
+    crate::nbd_server::handshake(&mut s, size, 1 | 4 | 8 | 32 | 64, true, &|_| true)?;
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     loop {
         let mut h = [0u8; 28];

@@ -827,6 +827,7 @@ pub mod fake_qemu;
 pub mod harness;
 pub mod hostile_nbd;
 pub mod load;
+pub mod nbd_server;
 
 /// CPU time (user + system) the threads of this process named `name` used so far; None when
 /// no thread has that name.
