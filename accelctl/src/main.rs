@@ -65,6 +65,8 @@ enum Cmd {
     },
     /// Set I/O limits (QEMU's throttle filter; the drive moves to the qemu engine) or clear them.
     Throttle(ThrottleArgs),
+    /// Retry the drive's held requests now (werror=enospc: after space was freed).
+    Resume { vm: String, drive: String },
     /// Register a VM's drives before QEMU starts; their sockets are served at once.
     Register {
         #[arg(long)]
@@ -230,6 +232,13 @@ fn run(cli: &Cli) -> Result<(), Fail> {
                 vm: vm.clone(),
                 drive: drive.clone(),
                 pin: *pin,
+            },
+        )?),
+        Cmd::Resume { vm, drive } => print_drive(call(
+            cli,
+            &Request::Resume {
+                vm: vm.clone(),
+                drive: drive.clone(),
             },
         )?),
         Cmd::Throttle(t) => {
@@ -412,6 +421,12 @@ fn status_table(st: &Status) -> String {
                 d.in_flight.to_string(),
                 d.errors.to_string(),
             ]);
+            if d.held_requests > 0 {
+                notes.push(format!(
+                    "{}/{}: {} requests held ({}); retried every 100 ms, or `accelctl resume {} {}`",
+                    vm.vm, d.drive, d.held_requests, d.io_status, vm.vm, d.drive
+                ));
+            }
             if let Some(e) = &d.last_error {
                 notes.push(format!("{}/{}: {e}", vm.vm, d.drive));
             }

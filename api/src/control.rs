@@ -38,6 +38,60 @@ pub struct DriveSpec {
     /// Logical block size shown to the guest.
     #[serde(default = "default_lbs")]
     pub logical_block_size: u32,
+    /// What a failed write (or flush, discard, write-zeroes) does: QEMU's `werror`.
+    #[serde(default = "default_werror")]
+    pub werror: ErrorPolicy,
+    /// What a failed read does: QEMU's `rerror`.
+    #[serde(default = "default_rerror")]
+    pub rerror: ErrorPolicy,
+}
+
+/// What a failed request does, as QEMU's `werror`/`rerror` (`BlockdevOnError`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ErrorPolicy {
+    /// IOERR to the guest.
+    Report,
+    /// Hold the request (and stop taking new ones from its queue) while the error is ENOSPC,
+    /// retrying until it succeeds; other errors are reported. QEMU's default for writes.
+    Enospc,
+    /// Hold the request on any error, retrying until it succeeds or an operator resumes.
+    Stop,
+    /// Complete the request as if it succeeded.
+    Ignore,
+}
+
+impl ErrorPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorPolicy::Report => "report",
+            ErrorPolicy::Enospc => "enospc",
+            ErrorPolicy::Stop => "stop",
+            ErrorPolicy::Ignore => "ignore",
+        }
+    }
+}
+
+impl std::str::FromStr for ErrorPolicy {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s {
+            "report" => Ok(ErrorPolicy::Report),
+            "enospc" => Ok(ErrorPolicy::Enospc),
+            "stop" => Ok(ErrorPolicy::Stop),
+            "ignore" => Ok(ErrorPolicy::Ignore),
+            _ => Err(SpecError(format!(
+                "'{s}': expected report, enospc, stop or ignore"
+            ))),
+        }
+    }
+}
+
+fn default_werror() -> ErrorPolicy {
+    ErrorPolicy::Enospc
+}
+fn default_rerror() -> ErrorPolicy {
+    ErrorPolicy::Report
 }
 
 fn default_format() -> String {
@@ -140,6 +194,8 @@ impl DriveSpec {
             discard: DiscardMode::Unmap,
             direct: true,
             logical_block_size: 512,
+            werror: default_werror(),
+            rerror: default_rerror(),
         };
         for kv in s.split(',') {
             let (k, v) = kv
@@ -159,6 +215,15 @@ impl DriveSpec {
                         .ok_or_else(|| SpecError(format!("queues={v}: expected 1 to 64")))?
                 }
                 "discard" => d.discard = v.parse()?,
+                "werror" => d.werror = v.parse()?,
+                "rerror" => {
+                    d.rerror = v.parse()?;
+                    if d.rerror == ErrorPolicy::Enospc {
+                        return Err(SpecError(
+                            "rerror=enospc: reads do not run out of space".into(),
+                        ));
+                    }
+                }
                 "direct" => d.direct = on_off(k, v)?,
                 "logical-block-size" => {
                     d.logical_block_size = match v {
@@ -205,6 +270,11 @@ impl DriveSpec {
                 "format '{}' is not a QEMU driver name",
                 self.format
             )));
+        }
+        if self.rerror == ErrorPolicy::Enospc {
+            return Err(SpecError(
+                "rerror=enospc: reads do not run out of space".into(),
+            ));
         }
         if self.queues == 0 || self.queues > 64 {
             return Err(SpecError(format!(
@@ -279,6 +349,12 @@ pub enum Request {
         drive: String,
         #[serde(default)]
         pin: bool,
+    },
+    /// Retry the drive's held requests now (werror=enospc or stop), e.g. after space was
+    /// freed.
+    Resume {
+        vm: String,
+        drive: String,
     },
     /// Set (limits) or clear (none) a throttle on the drive.
     Throttle {

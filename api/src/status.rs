@@ -134,6 +134,15 @@ pub struct DriveStatus {
     /// Rings found broken since the drive started.
     #[serde(default)]
     pub ring_errors: u64,
+    /// Requests held after an error (werror=enospc or stop), retried until they succeed.
+    #[serde(default)]
+    pub held_requests: u64,
+    /// Requests that failed with ENOSPC and were held.
+    #[serde(default)]
+    pub nospace_events: u64,
+    /// QEMU's io-status: `ok`, `nospace` (writes held for lack of space) or `failed`.
+    #[serde(default)]
+    pub io_status: String,
     pub last_error: Option<String>,
     /// QEMU-style accounting (for `query-blockstats`).
     pub io: IoCounters,
@@ -165,7 +174,7 @@ impl Status {
     /// Prometheus text exposition of every drive's counters.
     pub fn prometheus(&self) -> String {
         type Get = fn(&DriveStatus) -> f64;
-        let metrics: [(&str, &str, Get); 11] = [
+        let metrics: [(&str, &str, Get); 13] = [
             ("accel_drive_reads_total", "counter", |d| d.reads as f64),
             ("accel_drive_writes_total", "counter", |d| d.writes as f64),
             ("accel_drive_read_bytes_total", "counter", |d| {
@@ -188,6 +197,12 @@ impl Status {
             }),
             ("accel_drive_ring_errors_total", "counter", |d| {
                 d.ring_errors as f64
+            }),
+            ("accel_drive_held_requests", "gauge", |d| {
+                d.held_requests as f64
+            }),
+            ("accel_drive_nospace_total", "counter", |d| {
+                d.nospace_events as f64
             }),
         ];
         let mut out = String::new();
@@ -254,6 +269,9 @@ mod tests {
             nbd_errors: 0,
             broken_queues: 1,
             ring_errors: 1,
+            held_requests: 0,
+            nospace_events: 0,
+            io_status: "ok".into(),
             last_error: None,
             io: IoCounters {
                 rd_operations: 7,

@@ -8,7 +8,7 @@ use thiserror::Error;
 use tracing::info;
 
 use crate::drive::DEFAULT_POLL_US;
-use crate::drive::{DiscardMode, Drive, DriveConfig, DriveConfigError};
+use crate::drive::{DiscardMode, Drive, DriveConfig, DriveConfigError, ErrorPolicy};
 use crate::engine::nbd::{NbdEngine, NbdError};
 use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
 use crate::vhost::{ServeError, Server, ShutdownHandle};
@@ -66,6 +66,13 @@ pub struct ServeArgs {
     /// io_uring otherwise), io_uring, or inline (preadv2/pwritev2 on the queue's thread).
     #[arg(long, value_enum, default_value_t = IoArg::Auto)]
     pub io: IoArg,
+    /// What a failed write does: report (IOERR), enospc (hold while out of space, QEMU's
+    /// default), stop (hold on any error), ignore.
+    #[arg(long, default_value = "enospc", value_parser = parse_policy)]
+    pub werror: ErrorPolicy,
+    /// What a failed read does: report, stop, ignore.
+    #[arg(long, default_value = "report", value_parser = parse_policy)]
+    pub rerror: ErrorPolicy,
     /// On SIGTERM or SIGINT, how long to wait for requests in flight before exiting anyway.
     #[arg(long, default_value_t = 10_000)]
     pub shutdown_timeout_ms: u64,
@@ -100,6 +107,10 @@ fn parse_queue_size(s: &str) -> Result<u16, String> {
 fn parse_discard(s: &str) -> Result<DiscardMode, String> {
     s.parse()
         .map_err(|_| format!("'{s}' is not unmap or ignore"))
+}
+
+fn parse_policy(s: &str) -> Result<ErrorPolicy, String> {
+    s.parse().map_err(|e: accel_api::control::SpecError| e.0)
 }
 
 fn parse_block_size(s: &str) -> Result<u32, String> {
@@ -183,6 +194,8 @@ impl ServeArgs {
             queue_size: self.queue_size,
             discard: self.discard,
             poll_us: self.poll_us,
+            werror: self.werror,
+            rerror: self.rerror,
         }
         .checked()
         .map_err(|e| match e {

@@ -296,6 +296,8 @@ pub fn vhost_user(data: &[u8]) {
         queue_size: 256,
         discard: acceld::drive::DiscardMode::Unmap,
         poll_us: 0,
+        werror: acceld::drive::ErrorPolicy::Enospc,
+        rerror: acceld::drive::ErrorPolicy::Report,
     };
     let drive = acceld::drive::Drive::new(cfg, w.engine.clone());
     let mut c = acceld::vhost::Connection::new(drive);

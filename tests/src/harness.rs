@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use acceld::drive::{DiscardMode, Drive, DriveConfig};
+use acceld::drive::{DiscardMode, Drive, DriveConfig, ErrorPolicy};
 use acceld::engine::{Engine, FileEngine, FileEngineConfig, IoMode};
 use acceld::vhost::{Server, ShutdownHandle};
 
@@ -24,6 +24,8 @@ pub struct ServerOptions {
     /// The drive's name: its queue threads are NAME-qN (tests that watch a thread pick one
     /// no other test uses).
     pub name: String,
+    pub werror: ErrorPolicy,
+    pub rerror: ErrorPolicy,
 }
 
 impl ServerOptions {
@@ -78,6 +80,8 @@ impl Default for ServerOptions {
             io: IoMode::Uring,
             poll_us: 0,
             name: "test".into(),
+            werror: ErrorPolicy::Enospc,
+            rerror: ErrorPolicy::Report,
         }
     }
 }
@@ -147,6 +151,8 @@ impl TestServer {
             queue_size: 1024,
             discard: o.discard,
             poll_us: o.poll_us,
+            werror: o.werror,
+            rerror: o.rerror,
         };
         let drive = Drive::new(cfg, engine);
         let mut server = Server::bind(&socket, drive.clone()).expect("bind");

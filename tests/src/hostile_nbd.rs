@@ -23,6 +23,8 @@ pub enum Behaviour {
     ErrorTooLong,
     /// A hole chunk whose length is not 12.
     BadHole,
+    /// A well-formed error chunk, EIO, for every request (a failing disk behind the export).
+    Eio,
 }
 
 impl Behaviour {
@@ -123,6 +125,12 @@ fn serve(mut s: UnixStream, size: u64, how: Behaviour) -> std::io::Result<()> {
                 let mut r = chunk(1, (1 << 15) | 1, 6);
                 r.extend_from_slice(&5u32.to_be_bytes());
                 r.extend_from_slice(&60_000u16.to_be_bytes());
+                r
+            }
+            Behaviour::Eio => {
+                let mut r = chunk(1, (1 << 15) | 1, 6);
+                r.extend_from_slice(&5u32.to_be_bytes());
+                r.extend_from_slice(&0u16.to_be_bytes());
                 r
             }
             Behaviour::BadHole => {

@@ -24,7 +24,10 @@ pub use queue_ctl::{NextEngine, QueueCtl};
 pub use stats::{AcctClass, BlockAcct, DriveStats, LatencyHistogram};
 pub use switch::{Paused, SwitchError, SwitchReport};
 
-pub use accel_api::control::DiscardMode;
+pub use accel_api::control::{DiscardMode, ErrorPolicy};
+
+/// How often a queue retries the requests it holds (werror=enospc or stop).
+pub const HOLD_RETRY: Duration = Duration::from_millis(100);
 
 /// Default most microseconds a queue busy-polls before sleeping: QEMU's `poll-max-ns`.
 pub const DEFAULT_POLL_US: u32 = 32;
@@ -45,6 +48,10 @@ pub struct DriveConfig {
     /// Most microseconds a queue busy-polls the vring and the engine before sleeping (the
     /// window adapts up to this; 0: never poll).
     pub poll_us: u32,
+    /// What a failed write, flush, discard or write-zeroes does (QEMU's `werror`).
+    pub werror: ErrorPolicy,
+    /// What a failed read does (QEMU's `rerror`).
+    pub rerror: ErrorPolicy,
 }
 
 // The control API checks serials against the same bound the device answers with.
@@ -156,6 +163,16 @@ impl Drive {
 
     pub fn set_writeback(&self, on: bool) {
         self.writeback.store(on, Ordering::Relaxed);
+    }
+
+    /// Retries every held request of the drive now (werror=enospc or stop; they are also
+    /// retried on their own every [`HOLD_RETRY`]). Returns how many were held.
+    pub fn retry_held(&self) -> u64 {
+        let held = self.stats.held_requests.load(Ordering::Relaxed);
+        for w in lock(&self.running).iter() {
+            w.request_retry();
+        }
+        held
     }
 
     /// Called by a worker as it starts: the current engine's context for its queue, or a null

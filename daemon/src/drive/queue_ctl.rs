@@ -52,6 +52,8 @@ pub(crate) struct CtlState {
     pub(crate) drained: bool,
     pub(crate) exited: bool,
     pub(crate) next: Option<NextEngine>,
+    /// Retry the held requests now (an operator's resume).
+    pub(crate) retry: bool,
 }
 
 impl QueueCtl {
@@ -144,6 +146,12 @@ impl QueueCtl {
         let mut st = lock(&self.st);
         st.pause = true;
         st.drained = false;
+    }
+
+    /// Retries the worker's held requests now.
+    pub fn request_retry(&self) {
+        lock(&self.st).retry = true;
+        self.poke();
     }
 
     pub(crate) fn request_stop(&self) {

@@ -36,6 +36,12 @@ pub struct DriveStats {
     /// Rings found broken since the drive started.
     pub ring_errors: AtomicU64,
     pub last_ring_error: Mutex<Option<String>>,
+    /// Requests held after an error (werror=enospc or stop): not completed, retried.
+    pub held_requests: AtomicU64,
+    /// Requests that failed with ENOSPC and were held.
+    pub nospace_events: AtomicU64,
+    /// The errno of the last held failure (ENOSPC: the drive shows `nospace`).
+    pub hold_errno: std::sync::atomic::AtomicI32,
     /// Log budgets of what a guest or a disk can trigger on this drive.
     pub log: DriveLogLimits,
 }
@@ -51,6 +57,8 @@ pub struct DriveLogLimits {
     pub call: LogLimit,
     /// vhost-user messages refused, connections opened and closed.
     pub vhost: LogLimit,
+    /// Requests held for lack of space (or any error with werror=stop).
+    pub hold: LogLimit,
 }
 
 /// The request classes QEMU's block accounting knows.

@@ -212,6 +212,14 @@ struct Worker {
     /// The driver corrupted the ring: nothing more is popped until the frontend resets the
     /// queue (a new worker). Requests already popped complete.
     broken: bool,
+    /// Requests held after an error their policy holds (werror=enospc, stop): still in
+    /// flight, retried every HOLD_RETRY or on request, in their order.
+    held: VecDeque<usize>,
+    /// Held requests resubmitted by a retry and not finished yet.
+    retrying: usize,
+    next_retry: Option<Instant>,
+    /// Requests were held: once the last one went through, take new ones again.
+    was_holding: bool,
     ctl: Arc<QueueCtl>,
     io: Box<dyn QueueIo>,
     engine: Arc<dyn Engine>,
@@ -262,6 +270,10 @@ impl Worker {
             call: p.call,
             err: p.err,
             broken: false,
+            held: VecDeque::new(),
+            retrying: 0,
+            next_retry: None,
+            was_holding: false,
             ctl,
             io,
             engine,
@@ -317,7 +329,13 @@ impl Worker {
                 continue;
             }
             let before_wait = Instant::now();
-            let n = match self.epoll.wait(-1, &mut events) {
+            // Held requests are retried on a timer: sleep no longer than the next retry.
+            let timeout = self.next_retry.map_or(-1, |t| {
+                t.saturating_duration_since(before_wait)
+                    .as_millis()
+                    .min(1000) as i32
+            });
+            let n = match self.epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -343,6 +361,14 @@ impl Worker {
                     }
                     _ => {}
                 }
+            }
+            if self.next_retry.is_some_and(|t| Instant::now() >= t) {
+                self.retry_held();
+            }
+            if self.was_holding && !self.holding() {
+                // Every held request went through: take the ones that waited behind them.
+                self.was_holding = false;
+                self.process_avail();
             }
             self.notify();
         }
@@ -408,6 +434,7 @@ impl Worker {
     /// broken ring: nothing more is popped from it).
     fn avail_pending(&self, mem: &Mem) -> bool {
         !self.broken
+            && !self.holding()
             && self
                 .queue
                 .avail_idx(mem, Ordering::Acquire)
@@ -445,6 +472,27 @@ impl Worker {
             });
         }
         Ok(Some(chain))
+    }
+
+    /// Whether the queue holds requests (held, or resubmitted by a retry): it takes no new
+    /// ones meanwhile, so nothing queued behind a held write overtakes it.
+    fn holding(&self) -> bool {
+        !self.held.is_empty() || self.retrying > 0
+    }
+
+    /// Resubmits every held request, in order; one that fails again is held again.
+    fn retry_held(&mut self) {
+        self.next_retry = None;
+        let held = std::mem::take(&mut self.held);
+        self.drive
+            .stats
+            .held_requests
+            .fetch_sub(held.len() as u64, Ordering::Relaxed);
+        for idx in held {
+            self.retrying += 1;
+            self.redo(idx);
+        }
+        self.submit();
     }
 
     /// Stops taking requests from a corrupt ring: one log line, the vring's error eventfd
@@ -490,6 +538,11 @@ impl Worker {
         if st.stop {
             self.stopping = true;
         }
+        if std::mem::take(&mut st.retry) && !self.held.is_empty() {
+            drop(st);
+            self.retry_held();
+            st = lock(&self.ctl.st);
+        }
         if st.pause && !st.drained {
             // A new pause request (also while already paused, e.g. held): acknowledge it
             // again once nothing is in flight.
@@ -533,7 +586,7 @@ impl Worker {
     /// Pops every available request (while slots are free), starts them, submits once per
     /// pass. Leaves guest notifications on (unless polling), after checking the ring again.
     fn process_avail(&mut self) {
-        if self.paused || self.stopping || self.broken {
+        if self.paused || self.stopping || self.broken || self.holding() {
             return;
         }
         let mem = self.memory();

@@ -84,6 +84,7 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
         Request::Handback { vm, drive, pin } => {
             json(sup.set_pin(&vm, &drive, Some(Pin::Qemu), pin).await)
         }
+        Request::Resume { vm, drive } => json(sup.resume(&vm, &drive)),
         Request::Throttle { vm, drive, limits } => {
             json(sup.set_throttle(&vm, &drive, limits).await)
         }

@@ -282,6 +282,15 @@ impl Supervisor {
         self.act_now(&vmr, &d, true).await
     }
 
+    /// Retries the drive's held requests now (`accelctl resume`), e.g. after space was freed.
+    pub fn resume(&self, vm: &str, drive: &str) -> Result<DriveStatus, SupError> {
+        let vmr = self.vm(vm)?;
+        let d = vmr.drive(drive)?;
+        let held = d.drive.retry_held();
+        tracing::info!(vm, drive, held, "operator resume: retrying held requests");
+        Ok(status::drive_status(&vmr, &d))
+    }
+
     /// Sets or clears a throttle. Setting acts at once; clearing lets the drive go back to
     /// direct after the quiet period (unless something else keeps it in QEMU).
     pub async fn set_throttle(

@@ -159,6 +159,8 @@ impl Supervisor {
             queue_size: 1024,
             discard: spec.discard,
             poll_us: self.cfg.poll_us,
+            werror: spec.werror,
+            rerror: spec.rerror,
         }
         .checked()
         .map_err(|e| match e {

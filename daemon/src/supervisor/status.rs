@@ -12,6 +12,18 @@ use super::Supervisor;
 use crate::drive::LatencyHistogram;
 use crate::util::lock;
 
+/// QEMU's `io-status` for the drive: `nospace` while writes are held for lack of space,
+/// `failed` while requests are held after another error (werror/rerror=stop), else `ok`.
+fn io_status(s: &crate::drive::DriveStats) -> &'static str {
+    if s.held_requests.load(Ordering::Relaxed) == 0 {
+        "ok"
+    } else if s.hold_errno.load(Ordering::Relaxed) == libc::ENOSPC {
+        "nospace"
+    } else {
+        "failed"
+    }
+}
+
 pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
     let s = &d.drive.stats;
     let (engine, since) = {
@@ -78,6 +90,9 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         errors: s.io_errors.load(Ordering::Relaxed),
         nbd_errors,
         broken_queues: s.broken_queues.load(Ordering::Relaxed),
+        held_requests: s.held_requests.load(Ordering::Relaxed),
+        nospace_events: s.nospace_events.load(Ordering::Relaxed),
+        io_status: io_status(s).into(),
         ring_errors: s.ring_errors.load(Ordering::Relaxed),
         last_error: ring_last.or_else(|| st.last_error.clone()).or(nbd_last),
         io: s.acct.counters(),

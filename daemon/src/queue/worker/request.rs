@@ -12,7 +12,7 @@ use virtio_queue::{DescriptorChain, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{Worker, MAX_SEGS};
-use crate::drive::{AcctClass, DiscardMode};
+use crate::drive::{AcctClass, DiscardMode, ErrorPolicy};
 use crate::engine::IoOp;
 use crate::guest_mem::{
     advance_iov, build_iovecs, copy_from_guest, copy_to_guest, iov_aligned, Mem,
@@ -38,6 +38,8 @@ pub(super) struct InFlight {
     pub(super) used_len: u32,
     /// The request's accounting class, once dispatched (None: GET_ID, or not yet).
     pub(super) acct: Option<AcctClass>,
+    /// Resubmitted by a retry of held requests.
+    pub(super) retried: bool,
     pub(super) op: Op,
     pub(super) stage: Stage,
     /// Bytes of the data already transferred (short transfers, bounce chunks).
@@ -59,6 +61,7 @@ impl InFlight {
             status: 0,
             used_len: 0,
             acct: None,
+            retried: false,
             op: Op::Flush,
             stage: Stage::Flush,
             done: 0,
@@ -337,7 +340,8 @@ impl Worker {
     pub(super) fn on_completion(&mut self, idx: usize, res: i32) {
         let stage = self.slots[idx].stage;
         match stage {
-            Stage::Flush => self.complete(idx, if res < 0 { S_IOERR } else { S_OK }),
+            Stage::Flush if res < 0 => self.io_error(idx, res),
+            Stage::Flush => self.complete(idx, S_OK),
             Stage::Fallocate(mode) => self.on_fallocate(idx, mode, res),
             Stage::Direct => {
                 if res <= 0 {
@@ -410,7 +414,19 @@ impl Worker {
         }
     }
 
+    /// A request failed with `res` (-errno, or 0 for an unexpected end of file): its policy
+    /// (QEMU's rerror for reads, werror for everything else) reports it, ignores it, or holds
+    /// it for a retry.
     pub(super) fn io_error(&mut self, idx: usize, res: i32) {
+        let read = matches!(self.slots[idx].op, Op::Read { .. });
+        let cfg = self.drive.config();
+        let policy = if read { cfg.rerror } else { cfg.werror };
+        match policy {
+            ErrorPolicy::Stop => return self.hold(idx, res),
+            ErrorPolicy::Enospc if res == -libc::ENOSPC => return self.hold(idx, res),
+            ErrorPolicy::Ignore => return self.complete(idx, S_OK),
+            ErrorPolicy::Enospc | ErrorPolicy::Report => {}
+        }
         if let Some(n) = self.drive.stats.log.io.admit() {
             let e = std::io::Error::from_raw_os_error(-res);
             warn!(drive = %self.drive.config().name, queue = self.index, op = ?self.slots[idx].op,
@@ -421,8 +437,54 @@ impl Worker {
         self.complete(idx, S_IOERR);
     }
 
+    /// Keeps a failed request in flight for a retry (werror=enospc, stop): the guest sees
+    /// nothing, the queue takes no new request until it went through.
+    fn hold(&mut self, idx: usize, res: i32) {
+        let stats = &self.drive.stats;
+        if std::mem::take(&mut self.slots[idx].retried) {
+            self.retrying -= 1;
+        }
+        if res == -libc::ENOSPC {
+            stats.nospace_events.fetch_add(1, Ordering::Relaxed);
+        }
+        stats.hold_errno.store(-res, Ordering::Relaxed);
+        stats.held_requests.fetch_add(1, Ordering::Relaxed);
+        if self.held.is_empty() && self.retrying == 0 {
+            if let Some(n) = stats.log.hold.admit() {
+                let e = std::io::Error::from_raw_os_error(-res);
+                warn!(drive = %self.drive.config().name, queue = self.index,
+                    "I/O failed ({e}): requests held and retried every {:?} until it succeeds or `accelctl resume`{}",
+                    crate::drive::HOLD_RETRY, crate::util::suppressed(n));
+            }
+        }
+        self.held.push_back(idx);
+        self.was_holding = true;
+        self.next_retry
+            .get_or_insert_with(|| Instant::now() + crate::drive::HOLD_RETRY);
+    }
+
+    /// Submits a held request again from where it stopped.
+    pub(super) fn redo(&mut self, idx: usize) {
+        self.slots[idx].retried = true;
+        match self.slots[idx].stage {
+            Stage::Direct => self.push_rw(idx),
+            Stage::Bounce => self.bounce_chunk(idx),
+            Stage::Flush => self.push(idx, IoOp::Flush),
+            Stage::Fallocate(mode) => match self.slots[idx].op {
+                Op::Discard { offset, len } => self.push_fallocate(idx, offset, len, mode, false),
+                Op::WriteZeroes { offset, len, .. } => {
+                    self.push_fallocate(idx, offset, len, mode, true)
+                }
+                _ => self.complete(idx, S_IOERR),
+            },
+        }
+    }
+
     /// Writes the status byte (last), puts the head in the used ring, frees the slot.
     pub(super) fn complete(&mut self, idx: usize, status: u8) {
+        if std::mem::take(&mut self.slots[idx].retried) {
+            self.retrying -= 1;
+        }
         let stats = &self.drive.stats;
         match status {
             S_OK => match self.slots[idx].op {
