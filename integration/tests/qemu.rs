@@ -131,3 +131,101 @@ fn acceld_restart_under_guest_io_loses_nothing() {
     let log = std::fs::read_to_string(&log).unwrap();
     assert_eq!(log.matches("drained, exiting").count(), 1, "{log}");
 }
+
+/// Two guest writers write and verify 256 KiB blocks over 24 MiB of a disk whose image lives
+/// on an 8 MiB tmpfs: the disk fills up. With werror=enospc (the default, as QEMU's) the
+/// guest's writes stall without an error; the test grows the tmpfs and the writes complete.
+const ENOSPC_SCRIPT: &str = r#"
+worker() {
+  w=$1; errs=0; i=0
+  while [ $i -lt 48 ]; do
+    off=$(( w * 48 + i ))
+    dd if=/dev/urandom of=/tmp/p$w bs=256k count=1 2>/dev/null
+    dd if=/tmp/p$w of=/dev/vda bs=256k seek=$off oflag=direct conv=notrunc 2>/dev/null || errs=$((errs+1))
+    dd if=/dev/vda of=/tmp/r$w bs=256k skip=$off count=1 iflag=direct 2>/dev/null || errs=$((errs+1))
+    cmp -s /tmp/p$w /tmp/r$w || errs=$((errs+1))
+    echo "iter=$w.$i"
+    i=$((i+1))
+  done
+  echo "errors$w=$errs"
+}
+worker 0 & worker 1 & wait
+echo kernel_io_errors=$(dmesg | grep -ci 'i/o error')
+"#;
+
+#[test]
+fn a_full_disk_stalls_the_guest_without_an_error_until_space_comes_back() {
+    let dir = workdir();
+    let mnt = dir.path().join("small");
+    std::fs::create_dir(&mnt).unwrap();
+    let mount = |args: &[&str]| {
+        let st = std::process::Command::new("mount")
+            .args(args)
+            .arg(&mnt)
+            .status()
+            .unwrap();
+        assert!(st.success(), "mount {args:?} (the test runs as root)");
+    };
+    mount(&["-t", "tmpfs", "-o", "size=8m", "tmpfs"]);
+    struct Umount(std::path::PathBuf);
+    impl Drop for Umount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
+        }
+    }
+    let _u = Umount(mnt.clone());
+    let image = mnt.join("disk.raw");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(32 << 20)
+        .unwrap();
+    let sock = dir.path().join("vdisk0.sock");
+    let log = dir.path().join("acceld.log");
+    let _d = Acceld::serve(
+        &sock,
+        &["--image", image.to_str().unwrap(), "--queues", "2"],
+        &log,
+    )
+    .unwrap();
+    let mut g = Guest::boot(&GuestSpec {
+        disks: &[GuestDisk {
+            socket: sock,
+            queues: 2,
+        }],
+        script: ENOSPC_SCRIPT,
+        mem_mb: 256,
+        timeout: Duration::from_secs(240),
+    })
+    .unwrap();
+    // acceld says when it starts holding writes.
+    let t0 = std::time::Instant::now();
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("requests held")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(180),
+            "the disk never filled: {:?}",
+            g.output
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "the disk filled after {:?}; growing the tmpfs",
+        t0.elapsed()
+    );
+    mount(&["-o", "remount,size=64m"]);
+    let out = g.wait_exit(Duration::from_secs(240)).unwrap();
+    let iters = out.iter().filter(|l| l.contains("iter=")).count();
+    assert_eq!(iters, 96, "every write completed: {out:?}");
+    assert_eq!(guest_value(&out, "errors0").unwrap(), "0", "{out:?}");
+    assert_eq!(guest_value(&out, "errors1").unwrap(), "0", "{out:?}");
+    assert_eq!(
+        guest_value(&out, "kernel_io_errors").unwrap(),
+        "0",
+        "{out:?}"
+    );
+}
