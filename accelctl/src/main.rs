@@ -74,7 +74,7 @@ enum Cmd {
         /// The VM's QMP socket (QEMU: -qmp unix:PATH,server=on,wait=off).
         #[arg(long)]
         qmp: PathBuf,
-        /// id=D,image=PATH[,format=raw][,read-only=on][,serial=S][,queues=N][,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096]
+        /// id=D,image=PATH[,format=raw][,read-only=on][,serial=S][,queues=N][,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096][,werror=enospc|report|stop|ignore][,rerror=report|stop|ignore]
         #[arg(long = "drive", required = true)]
         drives: Vec<String>,
         /// `cont` the VM once every drive has an engine (when QEMU was started with -S).
