@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use accel_tests::harness::{file_engine, ServerOptions, TestServer};
 use accel_tests::load::{fill_image, run_load, LoadSpec};
-use accel_tests::{BlkFrontend, FrontendOptions};
+use accel_tests::{BlkFrontend, FrontendOptions, S_OK, T_FLUSH};
 use acceld::engine::{Engine, IoMode};
 
 #[test]
@@ -51,10 +51,23 @@ fn hundred_switches_under_qd32_verified_load() {
         },
     )
     .unwrap();
+    // One request per queue first: both workers run before the first switch (the frontend
+    // does not wait for the backend to act on its vring messages).
+    for q in 0..2 {
+        assert_eq!(fe.request(q, T_FLUSH, 0, &[], 0).unwrap().0, S_OK);
+    }
     let done = Arc::new(AtomicBool::new(false));
     let drive = s.drive.clone();
     let done2 = done.clone();
     let switcher = std::thread::spawn(move || {
+        // The load stops with the switcher, even when a switch fails.
+        struct Done(Arc<AtomicBool>);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _done = Done(done2.clone());
         let mut pauses = Vec::new();
         for i in 0..100 {
             let to = if i % 2 == 0 { b.clone() } else { a.clone() };
