@@ -140,6 +140,9 @@ pub struct DriveStatus {
     /// Requests that failed with ENOSPC and were held.
     #[serde(default)]
     pub nospace_events: u64,
+    /// Requests a previous acceld left in flight and this one resubmitted (INFLIGHT_SHMFD).
+    #[serde(default)]
+    pub resubmitted: u64,
     /// QEMU's io-status: `ok`, `nospace` (writes held for lack of space) or `failed`.
     #[serde(default)]
     pub io_status: String,
@@ -271,6 +274,7 @@ mod tests {
             ring_errors: 1,
             held_requests: 0,
             nospace_events: 0,
+            resubmitted: 0,
             io_status: "ok".into(),
             last_error: None,
             io: IoCounters {

@@ -38,6 +38,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::drive::Drive;
 use crate::guest_mem::{Mem, MemHandle};
+use crate::queue::inflight::InflightRegion;
 use crate::queue::{self, CallHandle, WorkerHandle, WorkerParams};
 use crate::util::lock;
 use crate::virtio_blk::{self, CONFIG_LEN, CONFIG_WRITEBACK_OFFSET};
@@ -53,6 +54,7 @@ pub fn protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::CONFIG
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+        | VhostUserProtocolFeatures::INFLIGHT_SHMFD
 }
 
 /// Virtio and vhost feature bits offered to the frontend: QEMU 10's export set without
@@ -141,6 +143,9 @@ pub struct Connection {
     mem_set: bool,
     maps: Vec<Mapping>,
     vrings: Vec<VringState>,
+    /// The inflight region (GET_INFLIGHT_FD / SET_INFLIGHT_FD): kept by the frontend across
+    /// this backend's death, so a new acceld resubmits what was in flight.
+    inflight: Option<Arc<InflightRegion>>,
 }
 
 impl Connection {
@@ -155,6 +160,7 @@ impl Connection {
             mem_set: false,
             maps: Vec::new(),
             vrings: (0..n).map(|_| VringState::default()).collect(),
+            inflight: None,
         }
     }
 
@@ -191,6 +197,7 @@ impl Connection {
         let mem_set = self.mem_set;
         let mem = self.mem.clone();
         let drive = self.drive.clone();
+        let mut inflight = self.inflight.as_ref().and_then(|r| r.queue(index));
         let v = &mut self.vrings[index];
         if v.worker.is_some() || !v.enabled || !v.addr_set || v.kick.is_none() || !mem_set {
             return Ok(());
@@ -206,6 +213,7 @@ impl Connection {
             .map_err(|_| VuError::InvalidParam)?;
         q.set_event_idx(event_idx);
         q.set_next_avail(v.base);
+        let mut resubmit = Vec::new();
         {
             let m = lock(&mem).clone();
             // The used index in guest memory is the truth (a previous backend may have left
@@ -214,6 +222,24 @@ impl Connection {
                 .used_idx(&*m, std::sync::atomic::Ordering::Acquire)
                 .map_err(|_| VuError::InvalidParam)?;
             q.set_next_used(used.0);
+            if let Some(iq) = inflight.as_mut() {
+                // Requests the previous backend popped and never completed are resubmitted
+                // first, in their order; popping goes on after them (the frontend's base is
+                // the used index after a crash).
+                let rec = iq.start(used.0, v.size);
+                if let Some(next) = rec.next_avail {
+                    q.set_next_avail(next);
+                }
+                if !rec.resubmit.is_empty() {
+                    info!(drive = %drive.config().name, queue = index, requests = rec.resubmit.len(),
+                        "resubmitting the requests in flight when the previous acceld stopped");
+                }
+                drive.stats.resubmitted.fetch_add(
+                    rec.resubmit.len() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                resubmit = rec.resubmit;
+            }
             q.set_ready(true);
             if !q.is_valid(&*m) {
                 if let Some(n) = drive.stats.log.vhost.admit() {
@@ -236,6 +262,8 @@ impl Connection {
             kick,
             call: v.call.clone(),
             err: v.err.clone(),
+            inflight,
+            resubmit,
         })
         .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
         debug!(queue = index, size = v.size, base = v.base, "queue started");
@@ -508,17 +536,44 @@ impl VhostUserBackendReqHandlerMut for Connection {
 
     fn get_inflight_fd(
         &mut self,
-        _inflight: &VhostUserInflight,
+        inflight: &VhostUserInflight,
     ) -> VuResult<(VhostUserInflight, File)> {
-        Err(VuError::InvalidOperation(
-            "INFLIGHT_SHMFD is not implemented yet",
-        ))
+        let region = InflightRegion::create(inflight.num_queues, inflight.queue_size)
+            .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
+        let file = region
+            .file()
+            .try_clone()
+            .map_err(VuError::ReqHandlerError)?;
+        let reply = VhostUserInflight {
+            mmap_size: region.len() as u64,
+            mmap_offset: 0,
+            num_queues: inflight.num_queues,
+            queue_size: inflight.queue_size,
+        };
+        self.inflight = Some(Arc::new(region));
+        Ok((reply, file))
     }
 
-    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VuResult<()> {
-        Err(VuError::InvalidOperation(
-            "INFLIGHT_SHMFD is not implemented yet",
-        ))
+    fn set_inflight_fd(&mut self, inflight: &VhostUserInflight, file: File) -> VuResult<()> {
+        let region = InflightRegion::map(
+            file,
+            inflight.mmap_size,
+            inflight.mmap_offset,
+            inflight.num_queues,
+            inflight.queue_size,
+        )
+        .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
+        if let Some(n) = self.drive.stats.log.vhost.admit() {
+            info!(
+                drive = %self.drive.config().name,
+                queues = inflight.num_queues,
+                queue_size = inflight.queue_size,
+                "inflight region set{}",
+                crate::util::suppressed(n)
+            );
+        }
+        self.inflight = Some(Arc::new(region));
+        Ok(())
     }
 
     fn get_max_mem_slots(&mut self) -> VuResult<u64> {

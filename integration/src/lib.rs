@@ -97,6 +97,13 @@ impl Acceld {
         Ok(me)
     }
 
+    /// SIGKILL: acceld dies with whatever it had in flight.
+    pub fn kill(&mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }

@@ -248,6 +248,9 @@ pub struct FrontendOptions {
     pub max_data: usize,
     /// Negotiate EVENT_IDX when offered.
     pub event_idx: bool,
+    /// Ask for an inflight region (INFLIGHT_SHMFD) and keep it across `reconnect`, as QEMU
+    /// does.
+    pub inflight: bool,
 }
 
 impl Default for FrontendOptions {
@@ -257,6 +260,7 @@ impl Default for FrontendOptions {
             queue_size: 128,
             max_data: 128 * 1024,
             event_idx: true,
+            inflight: false,
         }
     }
 }
@@ -286,6 +290,8 @@ pub struct BlkFrontend {
     opts: FrontendOptions,
     slot_size: u64,
     pub negotiated: Negotiated,
+    path: std::path::PathBuf,
+    inflight: Option<(vhost::vhost_user::message::VhostUserInflight, File)>,
 }
 
 /// Protocol features the test frontend uses when offered.
@@ -293,6 +299,7 @@ pub fn wanted_protocol_features() -> VhostUserProtocolFeatures {
     VhostUserProtocolFeatures::MQ
         | VhostUserProtocolFeatures::CONFIG
         | VhostUserProtocolFeatures::REPLY_ACK
+        | VhostUserProtocolFeatures::INFLIGHT_SHMFD
 }
 
 /// Connects and performs only the handshake (features, protocol features, config), as QEMU
@@ -338,7 +345,7 @@ pub fn handshake(path: &Path, queues: usize) -> Result<(Frontend, Negotiated), F
 
 impl BlkFrontend {
     pub fn connect(path: &Path, opts: FrontendOptions) -> Result<Self, FrontendError> {
-        let (fe, mut negotiated) = handshake(path, opts.queues)?;
+        let (mut fe, mut negotiated) = handshake(path, opts.queues)?;
         if negotiated.queue_num < opts.queues as u64 {
             return Err(FrontendError::MissingFeature("enough queues"));
         }
@@ -365,6 +372,22 @@ impl BlkFrontend {
         };
         fe.set_mem_table(&[region])
             .map_err(proto("SET_MEM_TABLE"))?;
+        let inflight = if opts.inflight {
+            let want = vhost::vhost_user::message::VhostUserInflight {
+                mmap_size: 0,
+                mmap_offset: 0,
+                num_queues: opts.queues as u16,
+                queue_size: opts.queue_size,
+            };
+            let (info, file) = fe
+                .get_inflight_fd(&want)
+                .map_err(proto("GET_INFLIGHT_FD"))?;
+            fe.set_inflight_fd(&info, file.as_raw_fd())
+                .map_err(proto("SET_INFLIGHT_FD"))?;
+            Some((info, file))
+        } else {
+            None
+        };
         let mut me = BlkFrontend {
             fe,
             mem,
@@ -372,6 +395,8 @@ impl BlkFrontend {
             opts,
             slot_size,
             negotiated,
+            path: path.to_path_buf(),
+            inflight,
         };
         for q in 0..me.opts.queues {
             me.start_queue(q)?;
@@ -441,6 +466,62 @@ impl BlkFrontend {
             self.queues[q] = dq;
         } else {
             self.queues.push(dq);
+        }
+        Ok(())
+    }
+
+    /// Connects again to the same socket (a new backend, after the old one died), keeping the
+    /// guest's memory, rings and requests, as QEMU does on `reconnect-ms`: the same memory
+    /// table and inflight region, each ring's base at its used index.
+    pub fn reconnect(&mut self) -> Result<(), FrontendError> {
+        let (mut fe, _) = handshake(&self.path, self.opts.queues)?;
+        fe.set_features(self.negotiated.acked_features)
+            .map_err(proto("SET_FEATURES"))?;
+        let region = VhostUserMemoryRegionInfo {
+            guest_phys_addr: 0,
+            memory_size: self.mem.size as u64,
+            userspace_addr: self.mem.host_addr(),
+            mmap_offset: 0,
+            mmap_handle: self.mem.file.as_raw_fd(),
+        };
+        fe.set_mem_table(&[region])
+            .map_err(proto("SET_MEM_TABLE"))?;
+        if let Some((info, file)) = &self.inflight {
+            fe.set_inflight_fd(info, file.as_raw_fd())
+                .map_err(proto("SET_INFLIGHT_FD"))?;
+        }
+        self.fe = fe;
+        let host = self.mem.host_addr();
+        for q in 0..self.queues.len() {
+            let dq = &self.queues[q];
+            let base = self.mem.r16(dq.used + 2);
+            let (n, desc, avail, used) = (dq.size, dq.desc, dq.avail, dq.used);
+            let fe = &mut self.fe;
+            fe.set_vring_num(q, n).map_err(proto("SET_VRING_NUM"))?;
+            fe.set_vring_base(q, base)
+                .map_err(proto("SET_VRING_BASE"))?;
+            fe.set_vring_addr(
+                q,
+                &VringConfigData {
+                    queue_max_size: n,
+                    queue_size: n,
+                    flags: 0,
+                    desc_table_addr: host + desc,
+                    used_ring_addr: host + used,
+                    avail_ring_addr: host + avail,
+                    log_addr: None,
+                },
+            )
+            .map_err(proto("SET_VRING_ADDR"))?;
+            let dq = &self.queues[q];
+            fe.set_vring_kick(q, &dq.kick)
+                .map_err(proto("SET_VRING_KICK"))?;
+            fe.set_vring_call(q, &dq.call)
+                .map_err(proto("SET_VRING_CALL"))?;
+            fe.set_vring_err(q, &dq.err)
+                .map_err(proto("SET_VRING_ERR"))?;
+            fe.set_vring_enable(q, true)
+                .map_err(proto("SET_VRING_ENABLE"))?;
         }
         Ok(())
     }

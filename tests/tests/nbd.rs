@@ -70,6 +70,7 @@ fn connect(s: &TestServer, queues: usize) -> BlkFrontend {
             queue_size: 128,
             max_data: 1 << 20,
             event_idx: true,
+            inflight: false,
         },
     )
     .expect("connect")

@@ -79,6 +79,7 @@ async fn switches_and_rollbacks_under_verified_load() {
                 queue_size: 128,
                 max_data: 4096,
                 event_idx: true,
+                inflight: false,
             },
         )
         .unwrap();

@@ -48,6 +48,7 @@ fn hundred_switches_under_qd32_verified_load() {
             queue_size: 128,
             max_data: 4096,
             event_idx: true,
+            inflight: false,
         },
     )
     .unwrap();

@@ -42,6 +42,8 @@ pub struct DriveStats {
     pub nospace_events: AtomicU64,
     /// The errno of the last held failure (ENOSPC: the drive shows `nospace`).
     pub hold_errno: std::sync::atomic::AtomicI32,
+    /// Requests a previous acceld left in flight and this one resubmitted (INFLIGHT_SHMFD).
+    pub resubmitted: AtomicU64,
     /// Log budgets of what a guest or a disk can trigger on this drive.
     pub log: DriveLogLimits,
 }

@@ -27,6 +27,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::drive::{Drive, QueueCtl};
 use crate::engine::{Engine, QueueIo};
 use crate::guest_mem::{Mem, MemHandle};
+use crate::queue::inflight::InflightQueue;
 use crate::util::lock;
 
 mod bounce;
@@ -101,6 +102,10 @@ pub struct WorkerParams {
     pub call: CallHandle,
     /// The vring's error eventfd (SET_VRING_ERR), signalled when the ring is found broken.
     pub err: CallHandle,
+    /// This queue's part of the inflight region (INFLIGHT_SHMFD), when the frontend set one.
+    pub inflight: Option<InflightQueue>,
+    /// Heads the previous backend left in flight, oldest first: started before anything else.
+    pub resubmit: Vec<u16>,
 }
 
 /// A ring the driver corrupted: the queue stops (QEMU's `virtio_error` marks the device
@@ -209,6 +214,10 @@ struct Worker {
     kick: EventFd,
     call: CallHandle,
     err: CallHandle,
+    inflight: Option<InflightQueue>,
+    /// The order of the next popped request (inflight tracking).
+    inflight_counter: u64,
+    resubmit: Vec<u16>,
     /// The driver corrupted the ring: nothing more is popped until the frontend resets the
     /// queue (a new worker). Requests already popped complete.
     broken: bool,
@@ -269,6 +278,9 @@ impl Worker {
             kick: p.kick,
             call: p.call,
             err: p.err,
+            inflight_counter: p.inflight.as_ref().map_or(0, InflightQueue::next_counter),
+            inflight: p.inflight,
+            resubmit: p.resubmit,
             broken: false,
             held: VecDeque::new(),
             retrying: 0,
@@ -303,6 +315,7 @@ impl Worker {
     }
 
     fn run(&mut self) {
+        self.resubmit_inflight();
         // The frontend may have queued requests (and kicked) before this worker existed.
         self.process_avail();
         self.notify();
@@ -474,6 +487,26 @@ impl Worker {
         Ok(Some(chain))
     }
 
+    /// Starts the requests a previous backend left in flight, in their order, before popping
+    /// anything new (they precede every request still in the avail ring).
+    fn resubmit_inflight(&mut self) {
+        let heads = std::mem::take(&mut self.resubmit);
+        if heads.is_empty() {
+            return;
+        }
+        let mem = self.memory();
+        let table = self.queue.desc_table();
+        let size = self.queue.size();
+        for head in heads {
+            if self.free.is_empty() {
+                break;
+            }
+            let descs = crate::queue::inflight::chain_at(&mem, table, size, head);
+            self.start_request(head, descs.into_iter(), &mem);
+        }
+        self.submit();
+    }
+
     /// Whether the queue holds requests (held, or resubmitted by a retry): it takes no new
     /// ones meanwhile, so nothing queued behind a held write overtakes it.
     fn holding(&self) -> bool {
@@ -611,7 +644,7 @@ impl Worker {
                     }
                 };
                 budget -= 1;
-                self.start_request(chain, &mem);
+                self.start_chain(chain, &mem);
             }
             self.submit();
             if !emptied {

@@ -92,6 +92,7 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         broken_queues: s.broken_queues.load(Ordering::Relaxed),
         held_requests: s.held_requests.load(Ordering::Relaxed),
         nospace_events: s.nospace_events.load(Ordering::Relaxed),
+        resubmitted: s.resubmitted.load(Ordering::Relaxed),
         io_status: io_status(s).into(),
         ring_errors: s.ring_errors.load(Ordering::Relaxed),
         last_error: ring_last.or_else(|| st.last_error.clone()).or(nbd_last),

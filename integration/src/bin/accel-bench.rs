@@ -131,6 +131,7 @@ fn run(a: &Args) -> Result<()> {
             queue_size,
             max_data: a.bs as usize,
             event_idx: true,
+            inflight: false,
         },
     )
     .with_context(|| format!("connecting to {}", a.socket.display()))?;

@@ -95,19 +95,39 @@ impl InFlight {
     }
 }
 impl Worker {
-    pub(super) fn start_request(&mut self, chain: DescriptorChain<&Mem>, mem: &Arc<Mem>) {
+    /// A chain popped from the avail ring.
+    pub(super) fn start_chain(&mut self, chain: DescriptorChain<&Mem>, mem: &Arc<Mem>) {
         let head = chain.head_index();
-        // virtio-queue ends a chain quietly wherever it cannot go on (a loop cut by its
-        // length bound, a next index past the table, an unreadable descriptor, a bad indirect
-        // table): a chain whose last descriptor still says NEXT was cut, and is malformed.
-        let mut cut = false;
         let descs = chain.map(|d| {
-            cut = d.has_next();
-            Desc {
+            let desc = Desc {
                 addr: d.addr().0,
                 len: d.len(),
                 writable: d.is_write_only(),
-            }
+            };
+            (desc, d.has_next())
+        });
+        self.start_request(head, descs, mem);
+    }
+
+    /// The one place a request starts: marked in flight (inflight tracking), split,
+    /// validated, dispatched. `descs` are the chain's descriptors with their NEXT flag.
+    pub(super) fn start_request(
+        &mut self,
+        head: u16,
+        descs: impl Iterator<Item = (Desc, bool)>,
+        mem: &Arc<Mem>,
+    ) {
+        if let Some(iq) = &self.inflight {
+            iq.get(head, self.inflight_counter);
+            self.inflight_counter += 1;
+        }
+        // A chain can end quietly wherever it cannot go on (a loop cut by its length bound,
+        // a next index past the table, an unreadable descriptor, a bad indirect table): a
+        // chain whose last descriptor still says NEXT was cut, and is malformed.
+        let mut cut = false;
+        let descs = descs.map(|(d, next)| {
+            cut = next;
+            d
         });
         let mut split = split_chain(descs, MAX_SEGS, &mut self.layout);
         if cut && split.is_ok() {
@@ -525,7 +545,14 @@ impl Worker {
         if slot.status != u64::MAX && mem.write_obj(status, GuestAddress(slot.status)).is_err() {
             debug!(queue = self.index, "status byte outside guest memory");
         }
-        let used = self.queue.add_used(&*mem, slot.head, slot.used_len);
+        let head = slot.head;
+        if let Some(iq) = &self.inflight {
+            iq.pre_put(head);
+        }
+        let used = self.queue.add_used(&*mem, head, slot.used_len);
+        if let Some(iq) = &self.inflight {
+            iq.post_put(head, self.queue.next_used());
+        }
         slot.op = Op::Flush;
         let freed_bounce = slot.bounce.take();
         self.used_added = true;
