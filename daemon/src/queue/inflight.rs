@@ -339,3 +339,66 @@ pub fn chain_at(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue(size: u16) -> InflightQueue {
+        let r = Arc::new(InflightRegion::create(2, size).unwrap());
+        assert_eq!(r.len(), 2 * queue_region_size(size));
+        r.queue(1).unwrap()
+    }
+
+    #[test]
+    fn a_fresh_region_starts_clean_and_resubmits_nothing() {
+        let mut q = queue(8);
+        assert_eq!(q.start(5, 8), Recovery::default());
+        assert_eq!(q.next_counter(), 0);
+    }
+
+    #[test]
+    fn unfinished_requests_come_back_in_their_order_and_finished_ones_do_not() {
+        let mut q = queue(8);
+        q.start(0, 8);
+        // Popped 3, 7, 1, 5 (in that order); 7 and 5 completed (used index 2).
+        for (c, h) in [3u16, 7, 1, 5].into_iter().enumerate() {
+            q.get(h, c as u64);
+        }
+        for (i, h) in [7u16, 5].into_iter().enumerate() {
+            q.pre_put(h);
+            q.post_put(h, i as u16 + 1);
+        }
+        let rec = q.start(2, 8);
+        assert_eq!(rec.resubmit, vec![3, 1]);
+        assert_eq!(rec.next_avail, Some(4), "used index + requests in flight");
+        assert_eq!(q.next_counter(), 3);
+    }
+
+    #[test]
+    fn a_completion_published_but_not_cleared_is_not_resubmitted() {
+        let mut q = queue(8);
+        q.start(0, 8);
+        q.get(2, 0);
+        q.get(4, 1);
+        // 4 went into the used ring (used index 1 in guest memory), then the backend died
+        // before clearing its mark.
+        q.pre_put(4);
+        let rec = q.start(1, 8);
+        assert_eq!(rec.resubmit, vec![2]);
+        assert_eq!(rec.next_avail, Some(2));
+    }
+
+    #[test]
+    fn a_region_of_the_wrong_shape_is_refused() {
+        assert!(InflightRegion::create(0, 8).is_err());
+        assert!(InflightRegion::create(1, 0).is_err());
+        let r = InflightRegion::create(1, 8).unwrap();
+        let f = r.file().try_clone().unwrap();
+        assert!(InflightRegion::map(f, 64, 0, 4, 8).is_err(), "too small");
+        let f = r.file().try_clone().unwrap();
+        assert!(InflightRegion::map(f, u64::MAX, 4096, 1, 8).is_err(), "past the file");
+        let f = r.file().try_clone().unwrap();
+        assert!(InflightRegion::map(f, r.len() as u64, 0, 1, 8).is_ok());
+    }
+}
