@@ -276,8 +276,8 @@ fn write_guest(w: &VhostWorld, off: usize, bytes: &[u8]) {
 /// pop random descriptors.
 pub fn vhost_user(data: &[u8]) {
     use vhost::vhost_user::message::{
-        VhostUserConfigFlags, VhostUserMemoryRegion, VhostUserSingleMemoryRegion,
-        VhostUserVringAddrFlags,
+        VhostUserConfigFlags, VhostUserInflight, VhostUserMemoryRegion,
+        VhostUserSingleMemoryRegion, VhostUserVringAddrFlags,
     };
     use vhost::vhost_user::VhostUserBackendReqHandlerMut;
     use vmm_sys_util::eventfd::EventFd;
@@ -319,7 +319,7 @@ pub fn vhost_user(data: &[u8]) {
     while !i.done() && steps < 64 {
         steps += 1;
         let q = u32::from(i.u8() % 3);
-        match i.u8() % 24 {
+        match i.u8() % 26 {
             0 => drop(c.set_owner()),
             1 => drop(c.reset_owner()),
             2 => drop(c.reset_device()),
@@ -385,6 +385,34 @@ pub fn vhost_user(data: &[u8]) {
             22 => {
                 for k in &kicks {
                     let _ = k.write(1);
+                }
+            }
+            23 => {
+                let want = VhostUserInflight {
+                    mmap_size: 0,
+                    mmap_offset: 0,
+                    num_queues: u16::from(i.u8() % 4),
+                    queue_size: i.u16() % 1025,
+                };
+                drop(c.get_inflight_fd(&want));
+            }
+            24 => {
+                // A region the frontend claims: any shape over a file of any size.
+                let info = VhostUserInflight {
+                    mmap_size: u64::from(i.u32()),
+                    mmap_offset: u64::from(i.u16()) << 12,
+                    num_queues: u16::from(i.u8() % 4),
+                    queue_size: i.u16() % 1025,
+                };
+                let len = u64::from(i.u16()) * 64;
+                // SAFETY: memfd_create with a valid NUL-terminated name.
+                let fd = unsafe { libc::memfd_create(c"fuzz-inflight".as_ptr(), 0) };
+                if fd >= 0 {
+                    // SAFETY: fd is a new descriptor nothing else owns.
+                    let f = unsafe { File::from_raw_fd(fd) };
+                    if f.set_len(len).is_ok() {
+                        drop(c.set_inflight_fd(&info, f));
+                    }
                 }
             }
             _ => {
