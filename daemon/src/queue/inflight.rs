@@ -397,7 +397,10 @@ mod tests {
         let f = r.file().try_clone().unwrap();
         assert!(InflightRegion::map(f, 64, 0, 4, 8).is_err(), "too small");
         let f = r.file().try_clone().unwrap();
-        assert!(InflightRegion::map(f, u64::MAX, 4096, 1, 8).is_err(), "past the file");
+        assert!(
+            InflightRegion::map(f, u64::MAX, 4096, 1, 8).is_err(),
+            "past the file"
+        );
         let f = r.file().try_clone().unwrap();
         assert!(InflightRegion::map(f, r.len() as u64, 0, 1, 8).is_ok());
     }
