@@ -202,6 +202,20 @@ impl Connection {
         if v.worker.is_some() || !v.enabled || !v.addr_set || v.kick.is_none() || !mem_set {
             return Ok(());
         }
+        // The descriptor table, the avail ring and the used ring must not overlap (VIRTIO 1.2
+        // §2.7): rings that do make the device's own writes change what it reads.
+        let n = u64::from(v.size);
+        let spans = [(v.desc, 16 * n), (v.avail, 6 + 2 * n), (v.used, 6 + 8 * n)];
+        let overlap = |(a, la): (u64, u64), (b, lb): (u64, u64)| {
+            a < b.saturating_add(lb) && b < a.saturating_add(la)
+        };
+        if overlap(spans[0], spans[1]) || overlap(spans[0], spans[2]) || overlap(spans[1], spans[2])
+        {
+            if let Some(n) = drive.stats.log.vhost.admit() {
+                warn!(drive = %drive.config().name, queue = index, "vring parts overlap{}", crate::util::suppressed(n));
+            }
+            return Err(VuError::InvalidParam);
+        }
         let max = drive.config().queue_size;
         let mut q = Queue::new(max).map_err(|_| VuError::InvalidParam)?;
         q.try_set_size(v.size).map_err(|_| VuError::InvalidParam)?;

@@ -660,3 +660,57 @@ fn a_memory_region_past_its_file_is_refused() {
     assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
     assert_eq!(fe.request(0, T_IN, 0, &[], 512).unwrap().1, data);
 }
+
+/// Rings that overlap (here the used ring over the avail ring, so that the device's own
+/// notification writes change the avail index it reads: a device that re-checks would spin
+/// forever) are refused when the queue starts.
+#[test]
+fn overlapping_rings_are_refused() {
+    use vhost::vhost_user::message::VhostUserHeaderFlag;
+    use vhost::vhost_user::VhostUserFrontend;
+    use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+    use vmm_sys_util::eventfd::EventFd;
+    let s = TestServer::start(&ServerOptions::default());
+    let mem = accel_tests::GuestMem::new(1 << 20).unwrap();
+    let (mut fe, _) = accel_tests::handshake(&s.socket, 1).unwrap();
+    fe.set_features(fe.get_features().unwrap() & !(1 << 29))
+        .unwrap();
+    let host = mem.host_addr();
+    fe.set_mem_table(&[VhostUserMemoryRegionInfo {
+        guest_phys_addr: 0,
+        memory_size: 1 << 20,
+        userspace_addr: host,
+        mmap_offset: 0,
+        mmap_handle: std::os::fd::AsRawFd::as_raw_fd(&mem.file),
+    }])
+    .unwrap();
+    fe.set_vring_num(0, 64).unwrap();
+    fe.set_vring_base(0, 0).unwrap();
+    fe.set_vring_addr(
+        0,
+        &VringConfigData {
+            queue_max_size: 64,
+            queue_size: 64,
+            flags: 0,
+            desc_table_addr: host + 0x1000,
+            avail_ring_addr: host + 0x2000,
+            // used->flags lands on avail->idx.
+            used_ring_addr: host + 0x2002,
+            log_addr: None,
+        },
+    )
+    .unwrap();
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    fe.set_vring_call(0, &call).unwrap();
+    fe.set_vring_kick(0, &kick).unwrap();
+    // The queue starts (or refuses to) on this message: ask for its answer.
+    fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    assert!(
+        fe.set_vring_enable(0, true).is_err(),
+        "a queue with overlapping rings started"
+    );
+    drop(fe);
+    // The server goes on.
+    let mut fe = connect(&s, 1);
+    assert_eq!(fe.request(0, T_FLUSH, 0, &[], 0).unwrap().0, S_OK);
+}

@@ -118,6 +118,12 @@ pub enum RingError {
     Head { head: u16, size: u16 },
     #[error("cannot access the ring in guest memory ({0})")]
     Access(String),
+    /// The avail index moves with the device's own writes (rings that overlap): re-checking
+    /// it after re-enabling notifications would never end.
+    #[error(
+        "the avail index changes under the device's own notification writes (overlapping rings)"
+    )]
+    Unstable,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -626,6 +632,9 @@ impl Worker {
         self.starved = false;
         self.backlog = false;
         let mut budget = BATCH_BUDGET;
+        // Times the ring said "more" after notifications were re-enabled and then had
+        // nothing to pop: a real driver races us a few times at most.
+        let mut empty_rechecks = 0;
         loop {
             if let Err(e) = self.queue.disable_notification(&*mem) {
                 return self.mark_broken(&RingError::Access(e.to_string()));
@@ -633,7 +642,10 @@ impl Worker {
             let mut emptied = false;
             while !self.free.is_empty() && budget > 0 {
                 let chain = match self.pop(&mem) {
-                    Ok(Some(c)) => c,
+                    Ok(Some(c)) => {
+                        empty_rechecks = 0;
+                        c
+                    }
                     Ok(None) => {
                         emptied = true;
                         break;
@@ -667,7 +679,13 @@ impl Worker {
                 return;
             }
             match self.queue.enable_notification(&*mem) {
-                Ok(true) => continue,
+                Ok(true) => {
+                    empty_rechecks += 1;
+                    if empty_rechecks > 16 {
+                        return self.mark_broken(&RingError::Unstable);
+                    }
+                    continue;
+                }
                 Ok(false) => return,
                 Err(e) => return self.mark_broken(&RingError::Access(e.to_string())),
             }
