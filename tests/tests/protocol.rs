@@ -676,17 +676,17 @@ fn overlapping_rings_are_refused() {
     fe.set_features(fe.get_features().unwrap() & !(1 << 29))
         .unwrap();
     let host = mem.host_addr();
-    fe.set_mem_table(&[VhostUserMemoryRegionInfo {
+    // The answers to these come with the last message's (no REPLY_ACK until then).
+    let _ = fe.set_mem_table(&[VhostUserMemoryRegionInfo {
         guest_phys_addr: 0,
         memory_size: 1 << 20,
         userspace_addr: host,
         mmap_offset: 0,
         mmap_handle: std::os::fd::AsRawFd::as_raw_fd(&mem.file),
-    }])
-    .unwrap();
-    fe.set_vring_num(0, 64).unwrap();
-    fe.set_vring_base(0, 0).unwrap();
-    fe.set_vring_addr(
+    }]);
+    let _ = fe.set_vring_num(0, 64);
+    let _ = fe.set_vring_base(0, 0);
+    let _ = fe.set_vring_addr(
         0,
         &VringConfigData {
             queue_max_size: 64,
@@ -698,11 +698,10 @@ fn overlapping_rings_are_refused() {
             used_ring_addr: host + 0x2002,
             log_addr: None,
         },
-    )
-    .unwrap();
+    );
     let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
-    fe.set_vring_call(0, &call).unwrap();
-    fe.set_vring_kick(0, &kick).unwrap();
+    let _ = fe.set_vring_call(0, &call);
+    let _ = fe.set_vring_kick(0, &kick);
     // The queue starts (or refuses to) on this message: ask for its answer.
     fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
     assert!(
