@@ -100,6 +100,16 @@ impl AcceldRun {
         Ok(t0.elapsed())
     }
 
+    /// SIGKILL (no drain, nothing saved at exit) and start again on the same run dir, as
+    /// systemd's `Restart=on-failure` would.
+    pub fn kill_and_start(&mut self) -> Result<()> {
+        if let Some(mut c) = self.child.take() {
+            c.kill()?;
+            c.wait()?;
+        }
+        self.spawn()
+    }
+
     pub fn terminate(&mut self) -> Result<std::process::ExitStatus> {
         let Some(mut c) = self.child.take() else {
             bail!("acceld is not running");
