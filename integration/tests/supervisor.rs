@@ -36,6 +36,40 @@ fn register(acc: &AcceldRun, vm: &str, qmp: &Path, drive: &str) -> Result<()> {
     Ok(())
 }
 
+/// `acceld run` with VM vm1 registered (raw drive d0 of 64 MiB, 2 queues) and booted with 32
+/// verifying writers (`writer_script`) and a test QMP monitor.
+struct WriterVm {
+    dir: tempfile::TempDir,
+    img: PathBuf,
+    tq: PathBuf,
+    acc: AcceldRun,
+    g: Guest,
+}
+
+fn writer_vm(tag: &str) -> Result<WriterVm> {
+    let dir = workdir(tag);
+    let run = dir.path().join("run");
+    let img = dir.path().join("d0.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let qmp = dir.path().join("qmp.sock");
+    let tq = dir.path().join("test-qmp.sock");
+    let acc = AcceldRun::start(&run, CONFIG)?;
+    register(
+        &acc,
+        "vm1",
+        &qmp,
+        &format!("id=d0,image={},queues=2", img.display()),
+    )?;
+    let g = boot(&acc, "vm1", &tq, &writer_script("/dev/vda", 32, 64))?;
+    Ok(WriterVm {
+        dir,
+        img,
+        tq,
+        acc,
+        g,
+    })
+}
+
 fn pct(v: &Value, k: &str) -> String {
     format!(
         "n={} p50={}us p99={}us max={}us",
@@ -58,20 +92,13 @@ fn finish_guest(g: &mut Guest) -> Result<Vec<String>> {
 /// image.
 #[test]
 fn raw_drive_story_under_guest_writes() -> Result<()> {
-    let dir = workdir("story");
-    let run = dir.path().join("run");
-    let img = dir.path().join("d0.raw");
-    std::fs::File::create(&img)?.set_len(64 << 20)?;
-    let qmp = dir.path().join("qmp.sock");
-    let tq = dir.path().join("test-qmp.sock");
-    let mut acc = AcceldRun::start(&run, CONFIG)?;
-    register(
-        &acc,
-        "vm1",
-        &qmp,
-        &format!("id=d0,image={},queues=2", img.display()),
-    )?;
-    let mut g = boot(&acc, "vm1", &tq, &writer_script("/dev/vda", 32, 64))?;
+    let WriterVm {
+        dir,
+        img,
+        tq,
+        mut acc,
+        mut g,
+    } = writer_vm("story")?;
     g.wait_for("READY", Duration::from_secs(120))
         .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
     let d = acc.drive("vm1", "d0")?;
@@ -241,7 +268,7 @@ fn raw_drive_story_under_guest_writes() -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(!run.join("vm1").join("d0.sock").exists());
+    assert!(!acc.run_dir.join("vm1").join("d0.sock").exists());
     Ok(())
 }
 
@@ -367,20 +394,14 @@ fn accelctl_errors_and_exit_codes() -> Result<()> {
 /// the guest's I/O resumed. The guest sees no error; the host's data matches.
 #[test]
 fn acceld_run_sigkilled_twenty_times_under_guest_writes() -> Result<()> {
-    let dir = workdir("kill");
-    let run = dir.path().join("run");
-    let img = dir.path().join("d0.raw");
-    std::fs::File::create(&img)?.set_len(64 << 20)?;
-    let qmp = dir.path().join("qmp.sock");
-    let tq = dir.path().join("test-qmp.sock");
-    let mut acc = AcceldRun::start(&run, CONFIG)?;
-    register(
-        &acc,
-        "vm1",
-        &qmp,
-        &format!("id=d0,image={},queues=2", img.display()),
-    )?;
-    let mut g = boot(&acc, "vm1", &tq, &writer_script("/dev/vda", 32, 64))?;
+    // The temp dir lives as long as the test.
+    let WriterVm {
+        dir: _dir,
+        img,
+        mut acc,
+        mut g,
+        ..
+    } = writer_vm("kill")?;
     g.wait_for("READY", Duration::from_secs(120))?;
     acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(30))?;
     let progress = |g: &mut Guest| -> Result<u64> {

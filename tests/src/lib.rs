@@ -294,6 +294,41 @@ pub struct BlkFrontend {
     inflight: Option<(vhost::vhost_user::message::VhostUserInflight, File)>,
 }
 
+/// Sets up ring `q` on the backend: size, base, addresses, eventfds, enable.
+fn send_vring(
+    fe: &mut Frontend,
+    host: u64,
+    q: usize,
+    dq: &DriverQueue,
+    base: u16,
+) -> Result<(), FrontendError> {
+    let n = dq.size;
+    fe.set_vring_num(q, n).map_err(proto("SET_VRING_NUM"))?;
+    fe.set_vring_base(q, base)
+        .map_err(proto("SET_VRING_BASE"))?;
+    fe.set_vring_addr(
+        q,
+        &VringConfigData {
+            queue_max_size: n,
+            queue_size: n,
+            flags: 0,
+            desc_table_addr: host + dq.desc,
+            used_ring_addr: host + dq.used,
+            avail_ring_addr: host + dq.avail,
+            log_addr: None,
+        },
+    )
+    .map_err(proto("SET_VRING_ADDR"))?;
+    fe.set_vring_kick(q, &dq.kick)
+        .map_err(proto("SET_VRING_KICK"))?;
+    fe.set_vring_call(q, &dq.call)
+        .map_err(proto("SET_VRING_CALL"))?;
+    fe.set_vring_err(q, &dq.err)
+        .map_err(proto("SET_VRING_ERR"))?;
+    fe.set_vring_enable(q, true)
+        .map_err(proto("SET_VRING_ENABLE"))
+}
+
 /// Protocol features the test frontend uses when offered.
 pub fn wanted_protocol_features() -> VhostUserProtocolFeatures {
     VhostUserProtocolFeatures::MQ
@@ -415,39 +450,6 @@ impl BlkFrontend {
         let kick = EventFd::new(EFD_NONBLOCK).map_err(FrontendError::Memory)?;
         let call = EventFd::new(EFD_NONBLOCK).map_err(FrontendError::Memory)?;
         let err = EventFd::new(EFD_NONBLOCK).map_err(FrontendError::Memory)?;
-        let host = self.mem.host_addr();
-        self.fe
-            .set_vring_num(q, n)
-            .map_err(proto("SET_VRING_NUM"))?;
-        self.fe
-            .set_vring_base(q, 0)
-            .map_err(proto("SET_VRING_BASE"))?;
-        self.fe
-            .set_vring_addr(
-                q,
-                &VringConfigData {
-                    queue_max_size: n,
-                    queue_size: n,
-                    flags: 0,
-                    desc_table_addr: host + desc,
-                    used_ring_addr: host + used,
-                    avail_ring_addr: host + avail,
-                    log_addr: None,
-                },
-            )
-            .map_err(proto("SET_VRING_ADDR"))?;
-        self.fe
-            .set_vring_kick(q, &kick)
-            .map_err(proto("SET_VRING_KICK"))?;
-        self.fe
-            .set_vring_call(q, &call)
-            .map_err(proto("SET_VRING_CALL"))?;
-        self.fe
-            .set_vring_err(q, &err)
-            .map_err(proto("SET_VRING_ERR"))?;
-        self.fe
-            .set_vring_enable(q, true)
-            .map_err(proto("SET_VRING_ENABLE"))?;
         let dq = DriverQueue {
             size: n,
             desc,
@@ -462,6 +464,7 @@ impl BlkFrontend {
             call,
             err,
         };
+        send_vring(&mut self.fe, self.mem.host_addr(), q, &dq, 0)?;
         if q < self.queues.len() {
             self.queues[q] = dq;
         } else {
@@ -492,36 +495,9 @@ impl BlkFrontend {
         }
         self.fe = fe;
         let host = self.mem.host_addr();
-        for q in 0..self.queues.len() {
-            let dq = &self.queues[q];
+        for (q, dq) in self.queues.iter().enumerate() {
             let base = self.mem.r16(dq.used + 2);
-            let (n, desc, avail, used) = (dq.size, dq.desc, dq.avail, dq.used);
-            let fe = &mut self.fe;
-            fe.set_vring_num(q, n).map_err(proto("SET_VRING_NUM"))?;
-            fe.set_vring_base(q, base)
-                .map_err(proto("SET_VRING_BASE"))?;
-            fe.set_vring_addr(
-                q,
-                &VringConfigData {
-                    queue_max_size: n,
-                    queue_size: n,
-                    flags: 0,
-                    desc_table_addr: host + desc,
-                    used_ring_addr: host + used,
-                    avail_ring_addr: host + avail,
-                    log_addr: None,
-                },
-            )
-            .map_err(proto("SET_VRING_ADDR"))?;
-            let dq = &self.queues[q];
-            fe.set_vring_kick(q, &dq.kick)
-                .map_err(proto("SET_VRING_KICK"))?;
-            fe.set_vring_call(q, &dq.call)
-                .map_err(proto("SET_VRING_CALL"))?;
-            fe.set_vring_err(q, &dq.err)
-                .map_err(proto("SET_VRING_ERR"))?;
-            fe.set_vring_enable(q, true)
-                .map_err(proto("SET_VRING_ENABLE"))?;
+            send_vring(&mut self.fe, host, q, dq, base)?;
         }
         Ok(())
     }
