@@ -1,7 +1,7 @@
 #!/bin/bash
 # Installs what accel's demo and tests need on a fresh Debian 12 machine (run as root):
 # QEMU 10 from bookworm-backports (reusing the mirror the machine already uses), busybox-static,
-# cpio and xz for the tiny guest, fio for benchmarks. Idempotent.
+# cpio and xz for the tiny guest, fio for benchmarks, g++ for libFuzzer (fuzz/). Idempotent.
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then
   echo "setup.sh: run as root (it installs Debian packages)" >&2
@@ -23,6 +23,6 @@ fi
 if ! qemu-system-x86_64 --version 2>/dev/null | grep -q 'version 10'; then
   apt-get install -y -q -t bookworm-backports qemu-system-x86 qemu-utils
 fi
-apt-get install -y -q busybox-static cpio xz-utils fio >/dev/null
+apt-get install -y -q busybox-static cpio xz-utils fio g++ >/dev/null
 qemu-system-x86_64 --version | head -1
 qemu-storage-daemon --version | head -1
