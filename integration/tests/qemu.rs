@@ -65,6 +65,50 @@ fn guest_writes_verifies_and_sees_the_configured_disk() {
     assert!(!out.iter().any(|l| l.contains("I/O error")), "{out:?}");
 }
 
+/// A 64 MiB raw image served by `acceld serve` (2 queues) to a guest running `script`.
+struct ServedGuest {
+    /// Kept alive: the image, socket and log live in it.
+    _dir: tempfile::TempDir,
+    image: std::path::PathBuf,
+    socket: std::path::PathBuf,
+    log: std::path::PathBuf,
+}
+
+impl ServedGuest {
+    fn boot(script: &str, timeout: Duration) -> (ServedGuest, Acceld, Guest) {
+        let dir = workdir();
+        let image = dir.path().join("disk.raw");
+        std::fs::File::create(&image)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        let sg = ServedGuest {
+            socket: dir.path().join("vdisk0.sock"),
+            log: dir.path().join("acceld.log"),
+            image,
+            _dir: dir,
+        };
+        let acceld = sg.serve();
+        let guest = Guest::boot(&GuestSpec {
+            disks: &[GuestDisk {
+                socket: sg.socket.clone(),
+                queues: 2,
+            }],
+            script,
+            mem_mb: 256,
+            timeout,
+        })
+        .unwrap();
+        (sg, acceld, guest)
+    }
+
+    /// acceld on the image and socket (the previous one must be gone).
+    fn serve(&self) -> Acceld {
+        let args = ["--image", self.image.to_str().unwrap(), "--queues", "2"];
+        Acceld::serve(&self.socket, &args, &self.log).unwrap()
+    }
+}
+
 /// Two writers (queue depth 2+) write, read back and compare 256 KiB blocks in a loop while
 /// acceld is stopped with SIGTERM and started again on the same socket.
 const RESTART_SCRIPT: &str = r#"
@@ -87,31 +131,12 @@ echo kernel_io_errors=$(dmesg | grep -ci 'i/o error')
 
 #[test]
 fn acceld_restart_under_guest_io_loses_nothing() {
-    let dir = workdir();
-    let image = dir.path().join("disk.raw");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
-    let sock = dir.path().join("vdisk0.sock");
-    let log = dir.path().join("acceld.log");
-    let args = ["--image", image.to_str().unwrap(), "--queues", "2"];
-    let mut d = Acceld::serve(&sock, &args, &log).unwrap();
-    let mut g = Guest::boot(&GuestSpec {
-        disks: &[GuestDisk {
-            socket: sock.clone(),
-            queues: 2,
-        }],
-        script: RESTART_SCRIPT,
-        mem_mb: 256,
-        timeout: Duration::from_secs(180),
-    })
-    .unwrap();
+    let (sg, mut d, mut g) = ServedGuest::boot(RESTART_SCRIPT, Duration::from_secs(180));
     g.wait_for("iter=0.10", Duration::from_secs(120)).unwrap();
     let st = d.terminate().unwrap();
     assert!(st.success(), "acceld exits 0 on SIGTERM: {st}");
     let restart_at = g.output.len();
-    let _d2 = Acceld::serve(&sock, &args, &log).unwrap();
+    let _d2 = sg.serve();
     let out = g.wait_exit(Duration::from_secs(180)).unwrap();
     let after = out[restart_at..]
         .iter()
@@ -128,7 +153,7 @@ fn acceld_restart_under_guest_io_loses_nothing() {
         "0",
         "{out:?}"
     );
-    let log = std::fs::read_to_string(&log).unwrap();
+    let log = std::fs::read_to_string(&sg.log).unwrap();
     assert_eq!(log.matches("drained, exiting").count(), 1, "{log}");
 }
 
@@ -242,32 +267,16 @@ fn next_progress(g: &mut Guest) -> u64 {
 /// nothing, so the guest sees no error and its data is whole.
 #[test]
 fn acceld_sigkilled_twenty_times_under_guest_io_loses_nothing() {
-    let dir = workdir();
-    let image = dir.path().join("disk.raw");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
-    let sock = dir.path().join("vdisk0.sock");
-    let log = dir.path().join("acceld.log");
-    let args = ["--image", image.to_str().unwrap(), "--queues", "2"];
-    let mut d = Acceld::serve(&sock, &args, &log).unwrap();
-    let mut g = Guest::boot(&GuestSpec {
-        disks: &[GuestDisk {
-            socket: sock.clone(),
-            queues: 2,
-        }],
-        script: &accel_integration::supervised::writer_script("/dev/vda", 32, 64),
-        mem_mb: 256,
-        timeout: Duration::from_secs(400),
-    })
-    .unwrap();
+    let (sg, mut d, mut g) = ServedGuest::boot(
+        &accel_integration::supervised::writer_script("/dev/vda", 32, 64),
+        Duration::from_secs(400),
+    );
     g.wait_for("READY", Duration::from_secs(120)).unwrap();
     let kills = 20;
     let mut at_kill = next_progress(&mut g);
     for k in 0..kills {
         d.kill().unwrap();
-        d = Acceld::serve(&sock, &args, &log).unwrap();
+        d = sg.serve();
         // The guest's I/O resumed on the new acceld before the next kill.
         loop {
             let p = next_progress(&mut g);
@@ -288,11 +297,11 @@ fn acceld_sigkilled_twenty_times_under_guest_io_loses_nothing() {
     assert!(out.iter().any(|l| l.contains("RESULT: PASS")), "{out:?}");
     let md5 = guest_value(&out, "md5").unwrap();
     assert_eq!(
-        host_md5(&image, 32 * 64 * 4096).unwrap(),
+        host_md5(&sg.image, 32 * 64 * 4096).unwrap(),
         md5,
         "the host sees what the guest wrote"
     );
-    let text = std::fs::read_to_string(&log).unwrap();
+    let text = std::fs::read_to_string(&sg.log).unwrap();
     assert!(
         text.contains("inflight region set"),
         "QEMU tracks requests in flight with acceld: {text}"

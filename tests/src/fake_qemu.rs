@@ -8,8 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::FileExt;
+use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -312,37 +311,5 @@ fn serve_nbd(mut s: UnixStream, model: &Mutex<Model>, image: &Path) -> std::io::
     crate::nbd_server::handshake(&mut s, size, 1 | 4 | 8 | 32 | 64, false, &|name| {
         lock(model).exports.values().any(|(_, n)| n == name)
     })?;
-    loop {
-        let mut h = [0u8; 28];
-        s.read_exact(&mut h)?;
-        let typ = u16::from_be_bytes(h[6..8].try_into().unwrap());
-        let cookie = &h[8..16];
-        let off = u64::from_be_bytes(h[16..24].try_into().unwrap());
-        let len = u32::from_be_bytes(h[24..28].try_into().unwrap()) as usize;
-        let mut out = Vec::with_capacity(16);
-        out.extend_from_slice(&0x6744_6698u32.to_be_bytes());
-        let mut payload = Vec::new();
-        let err: u32 = match typ {
-            0 => {
-                payload = vec![0u8; len];
-                f.read_exact_at(&mut payload, off).map_or(5, |_| 0)
-            }
-            1 => {
-                let mut d = vec![0u8; len];
-                s.read_exact(&mut d)?;
-                f.write_all_at(&d, off).map_or(5, |_| 0)
-            }
-            2 => return Ok(()),
-            3 => f.sync_data().map_or(5, |_| 0),
-            4 => 0,
-            6 => f.write_all_at(&vec![0u8; len], off).map_or(5, |_| 0),
-            _ => 22,
-        };
-        out.extend_from_slice(&err.to_be_bytes());
-        out.extend_from_slice(cookie);
-        if typ == 0 && err == 0 {
-            out.extend_from_slice(&payload);
-        }
-        s.write_all(&out)?;
-    }
+    crate::nbd_server::serve_file(&mut s, &f, |_| false)
 }

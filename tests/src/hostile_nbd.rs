@@ -150,7 +150,6 @@ fn serve(mut s: UnixStream, size: u64, how: Behaviour) -> std::io::Result<()> {
 /// requests out of order and never finishes some. For inflight-tracking tests: the requests
 /// it holds are exactly the ones a new backend must resubmit.
 pub fn start_holding_odd_writes(socket: &Path, image: &Path) -> std::io::Result<HostileNbd> {
-    use std::os::unix::fs::FileExt;
     let _ = std::fs::remove_file(socket);
     let l = UnixListener::bind(socket)?;
     let image = image.to_path_buf();
@@ -165,39 +164,8 @@ pub fn start_holding_odd_writes(socket: &Path, image: &Path) -> std::io::Result<
                     .open(&image)?;
                 let size = f.metadata()?.len();
                 crate::nbd_server::handshake(&mut s, size, 1 | 4 | 8 | 32 | 64, false, &|_| true)?;
-                loop {
-                    let mut h = [0u8; 28];
-                    s.read_exact(&mut h)?;
-                    let typ = u16::from_be_bytes(h[6..8].try_into().unwrap());
-                    let cookie = &h[8..16];
-                    let off = u64::from_be_bytes(h[16..24].try_into().unwrap());
-                    let len = u32::from_be_bytes(h[24..28].try_into().unwrap()) as usize;
-                    let mut payload = Vec::new();
-                    let err: u32 = match typ {
-                        0 => {
-                            payload = vec![0u8; len];
-                            f.read_exact_at(&mut payload, off).map_or(5, |_| 0)
-                        }
-                        1 => {
-                            let mut d = vec![0u8; len];
-                            s.read_exact(&mut d)?;
-                            if (off / 4096) % 2 == 1 {
-                                continue;
-                            }
-                            f.write_all_at(&d, off).map_or(5, |_| 0)
-                        }
-                        2 => return Ok(()),
-                        3 => f.sync_data().map_or(5, |_| 0),
-                        _ => 0,
-                    };
-                    let mut out = SIMPLE.to_be_bytes().to_vec();
-                    out.extend_from_slice(&err.to_be_bytes());
-                    out.extend_from_slice(cookie);
-                    if typ == 0 && err == 0 {
-                        out.extend_from_slice(&payload);
-                    }
-                    s.write_all(&out)?;
-                }
+                // Writes to odd 4 KiB blocks are taken and never performed nor answered.
+                crate::nbd_server::serve_file(&mut s, &f, |off| (off / 4096) % 2 == 1)
             });
         }
     });

@@ -1,5 +1,6 @@
 //! The server side of the NBD handshake, for the test servers (the fake QEMU's export and the
-//! hostile server): fixed newstyle, optional structured replies, OPT_GO.
+//! hostile server): fixed newstyle, optional structured replies, OPT_GO; then simple replies
+//! to requests on a file.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -61,5 +62,52 @@ pub fn handshake(
             }
             _ => reply(s, REP_ERR_UNSUP, b"unsupported")?,
         }
+    }
+}
+
+/// Serves requests on `f` with simple replies until the client disconnects. A write at an
+/// offset for which `hold_write` is true is read and then neither performed nor answered (a
+/// request that never completes).
+pub fn serve_file(
+    s: &mut UnixStream,
+    f: &std::fs::File,
+    hold_write: impl Fn(u64) -> bool,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    loop {
+        let mut h = [0u8; 28];
+        s.read_exact(&mut h)?;
+        let typ = u16::from_be_bytes(h[6..8].try_into().unwrap());
+        let cookie = &h[8..16];
+        let off = u64::from_be_bytes(h[16..24].try_into().unwrap());
+        let len = u32::from_be_bytes(h[24..28].try_into().unwrap()) as usize;
+        let mut out = Vec::with_capacity(16);
+        out.extend_from_slice(&0x6744_6698u32.to_be_bytes());
+        let mut payload = Vec::new();
+        let err: u32 = match typ {
+            0 => {
+                payload = vec![0u8; len];
+                f.read_exact_at(&mut payload, off).map_or(5, |_| 0)
+            }
+            1 => {
+                let mut d = vec![0u8; len];
+                s.read_exact(&mut d)?;
+                if hold_write(off) {
+                    continue;
+                }
+                f.write_all_at(&d, off).map_or(5, |_| 0)
+            }
+            2 => return Ok(()),
+            3 => f.sync_data().map_or(5, |_| 0),
+            4 => 0,
+            6 => f.write_all_at(&vec![0u8; len], off).map_or(5, |_| 0),
+            _ => 22,
+        };
+        out.extend_from_slice(&err.to_be_bytes());
+        out.extend_from_slice(cookie);
+        if typ == 0 && err == 0 {
+            out.extend_from_slice(&payload);
+        }
+        s.write_all(&out)?;
     }
 }
