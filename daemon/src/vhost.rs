@@ -245,8 +245,12 @@ impl Connection {
                     q.set_next_avail(next);
                 }
                 if !rec.resubmit.is_empty() {
-                    info!(drive = %drive.config().name, queue = index, requests = rec.resubmit.len(),
-                        "resubmitting the requests in flight when the previous acceld stopped");
+                    // The frontend controls the region: budgeted like its other lines.
+                    if let Some(n) = drive.stats.log.vhost.admit() {
+                        info!(drive = %drive.config().name, queue = index, requests = rec.resubmit.len(),
+                            "resubmitting the requests in flight when the previous acceld stopped{}",
+                            crate::util::suppressed(n));
+                    }
                 }
                 drive.stats.resubmitted.fetch_add(
                     rec.resubmit.len() as u64,

@@ -503,10 +503,9 @@ impl Worker {
         let mem = self.memory();
         let table = self.queue.desc_table();
         let size = self.queue.size();
+        // At most one mark per descriptor of this ring (`InflightQueue::start`), and a worker
+        // has a slot per descriptor: every resubmitted request gets one.
         for head in heads {
-            if self.free.is_empty() {
-                break;
-            }
             let descs = crate::queue::inflight::chain_at(&mem, table, size, head);
             self.start_request(head, descs.into_iter(), &mem);
         }

@@ -550,7 +550,9 @@ impl Worker {
             iq.pre_put(head);
         }
         let used = self.queue.add_used(&*mem, head, slot.used_len);
-        if let Some(iq) = &self.inflight {
+        if let (Some(iq), Ok(())) = (&self.inflight, &used) {
+            // Cleared only once the head is in the used ring: a completion that did not get
+            // there stays marked, for the next backend.
             iq.post_put(head, self.queue.next_used());
         }
         slot.op = Op::Flush;
