@@ -12,7 +12,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use thiserror::Error;
@@ -37,28 +37,29 @@ use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::drive::Drive;
+use crate::guest_mem::dirty_log::{DirtyLog, LogMap};
 use crate::guest_mem::{Mem, MemHandle};
 use crate::queue::inflight::InflightRegion;
-use crate::queue::{self, CallHandle, WorkerHandle, WorkerParams};
+use crate::queue::{self, CallHandle, WorkerHandle, WorkerParams, NO_USED_LOG};
 use crate::util::lock;
 use crate::virtio_blk::{self, CONFIG_LEN, CONFIG_WRITEBACK_OFFSET};
 
 /// Memory slots we accept (libvhost-user and QEMU's export use the same number).
 const MAX_MEM_SLOTS: u64 = 509;
 
-/// The protocol features acceld implements. Not offered (yet): LOG_SHMFD (dirty logging for
-/// migration), INFLIGHT_SHMFD (crash-safe restart), BACKEND_REQ/BACKEND_SEND_FD,
-/// HOST_NOTIFIER, PAGEFAULT.
+/// The protocol features acceld implements. Not offered: BACKEND_REQ/BACKEND_SEND_FD,
+/// HOST_NOTIFIER, PAGEFAULT (postcopy), DEVICE_STATE (virtio-blk has no backend state).
 pub fn protocol_features() -> VhostUserProtocolFeatures {
     VhostUserProtocolFeatures::MQ
+        | VhostUserProtocolFeatures::LOG_SHMFD
         | VhostUserProtocolFeatures::CONFIG
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
         | VhostUserProtocolFeatures::INFLIGHT_SHMFD
 }
 
-/// Virtio and vhost feature bits offered to the frontend: QEMU 10's export set without
-/// VHOST_F_LOG_ALL (dirty logging is not implemented, so QEMU refuses to migrate: safe).
+/// Virtio and vhost feature bits offered to the frontend: QEMU 10's export set, with
+/// VHOST_F_LOG_ALL (dirty logging for live migration).
 pub fn virtio_features(read_only: bool) -> u64 {
     virtio_blk::device_features(read_only)
         | 1 << VIRTIO_F_VERSION_1
@@ -66,6 +67,17 @@ pub fn virtio_features(read_only: bool) -> u64 {
         | 1 << VIRTIO_RING_F_EVENT_IDX
         | 1 << VIRTIO_F_NOTIFY_ON_EMPTY
         | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+        | VhostUserVirtioFeatures::LOG_ALL.bits()
+}
+
+/// The used-ring log address a worker sees: [`NO_USED_LOG`] until SET_VRING_ADDR asks for
+/// VHOST_VRING_F_LOG.
+struct UsedLog(Arc<AtomicU64>);
+
+impl Default for UsedLog {
+    fn default() -> Self {
+        UsedLog(Arc::new(AtomicU64::new(NO_USED_LOG)))
+    }
 }
 
 #[derive(Debug, Error)]
@@ -131,6 +143,7 @@ struct VringState {
     err: CallHandle,
     enabled: bool,
     worker: Option<WorkerHandle>,
+    used_log: UsedLog,
 }
 
 /// Protocol state of one frontend connection. A new connection gets a new one.
@@ -146,6 +159,11 @@ pub struct Connection {
     /// The inflight region (GET_INFLIGHT_FD / SET_INFLIGHT_FD): kept by the frontend across
     /// this backend's death, so a new acceld resubmits what was in flight.
     inflight: Option<Arc<InflightRegion>>,
+    /// The dirty log (live migration), shared with the workers.
+    log: Arc<DirtyLog>,
+    /// The connection must close: a request failed that the frontend waits on without a
+    /// reply (SET_LOG_BASE), and only a disconnect unblocks it.
+    fatal: bool,
 }
 
 impl Connection {
@@ -161,7 +179,18 @@ impl Connection {
             maps: Vec::new(),
             vrings: (0..n).map(|_| VringState::default()).collect(),
             inflight: None,
+            log: DirtyLog::new(),
+            fatal: false,
         }
+    }
+
+    /// Whether the server must close this connection now (see `fatal`).
+    pub fn must_close(&self) -> bool {
+        self.fatal
+    }
+
+    fn log_all_acked(&self) -> bool {
+        self.acked_features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0
     }
 
     fn event_idx(&self) -> bool {
@@ -215,6 +244,22 @@ impl Connection {
                 warn!(drive = %drive.config().name, queue = index, "vring parts overlap{}", crate::util::suppressed(n));
             }
             return Err(VuError::InvalidParam);
+        }
+        // A migration stop released the image (the source side); the rings restarting means
+        // the migration failed or was cancelled, and this side serves the guest again. If the
+        // migration did complete (someone restarted a migrated-away VM), the destination
+        // holds the image's locks and the open fails: requests wait, nothing is corrupted.
+        if drive.image_handed_off() {
+            match drive.take_back_image() {
+                Ok(()) => {
+                    info!(drive = %drive.config().name, "image taken back after the migration stopped")
+                }
+                Err(e) => {
+                    if let Some(n) = drive.stats.log.vhost.admit() {
+                        warn!(drive = %drive.config().name, "cannot take the image back, requests wait: {}{}", crate::util::error_chain(&e), crate::util::suppressed(n));
+                    }
+                }
+            }
         }
         let max = drive.config().queue_size;
         let mut q = Queue::new(max).map_err(|_| VuError::InvalidParam)?;
@@ -282,6 +327,8 @@ impl Connection {
             err: v.err.clone(),
             inflight,
             resubmit,
+            log: self.log.clone(),
+            used_log: v.used_log.0.clone(),
         })
         .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
         debug!(queue = index, size = v.size, base = v.base, "queue started");
@@ -333,6 +380,7 @@ impl VhostUserBackendReqHandlerMut for Connection {
         self.stop_all();
         self.owned = false;
         self.acked_features = 0;
+        self.log.set_log_all(false);
         self.acked_protocol = 0;
         Ok(())
     }
@@ -343,6 +391,7 @@ impl VhostUserBackendReqHandlerMut for Connection {
             *v = VringState::default();
         }
         self.acked_features = 0;
+        self.log.set_log_all(false);
         Ok(())
     }
 
@@ -355,6 +404,13 @@ impl VhostUserBackendReqHandlerMut for Connection {
         if features & !offered != 0 {
             return Err(VuError::InvalidParam);
         }
+        let log_all = features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0;
+        if log_all != self.log_all_acked() {
+            if let Some(n) = self.drive.stats.log.vhost.admit() {
+                info!(drive = %self.drive.config().name, on = log_all, "dirty logging (migration){}", crate::util::suppressed(n));
+            }
+        }
+        self.log.set_log_all(log_all);
         self.acked_features = features;
         if features & (1 << virtio_blk::F_FLUSH) == 0 {
             // A driver that cannot flush gets write-through (virtio 1.2, 5.2.6.1); one that
@@ -402,16 +458,24 @@ impl VhostUserBackendReqHandlerMut for Connection {
     fn set_vring_addr(
         &mut self,
         index: u32,
-        _flags: VhostUserVringAddrFlags,
+        flags: VhostUserVringAddrFlags,
         descriptor: u64,
         used: u64,
         available: u64,
-        _log: u64,
+        log: u64,
     ) -> VuResult<()> {
         let desc = self.va_to_gpa(descriptor)?;
         let used = self.va_to_gpa(used)?;
         let avail = self.va_to_gpa(available)?;
         let v = self.vring(index)?;
+        // The used ring's log address reaches a running worker too (QEMU turns F_LOG on for
+        // started rings when a migration begins).
+        let at = if flags.contains(VhostUserVringAddrFlags::VHOST_VRING_F_LOG) {
+            log
+        } else {
+            NO_USED_LOG
+        };
+        v.used_log.0.store(at, Ordering::Release);
         v.desc = desc;
         v.used = used;
         v.avail = avail;
@@ -432,6 +496,12 @@ impl VhostUserBackendReqHandlerMut for Connection {
         self.vring(index)?;
         // Completes every popped request before answering (see the module doc).
         self.stop_queue(index as usize);
+        // The last queue stopping while the device logs is a migration's switchover: the
+        // destination opens the image once this reply went out and the VM state followed, so
+        // the image is flushed and its locks released first.
+        if self.log_all_acked() && self.vrings.iter().all(|v| v.worker.is_none()) {
+            self.drive.hand_off_image();
+        }
         let v = &mut self.vrings[index as usize];
         let base = v.base;
         // The ring is stopped; a new start needs a new kick (vhost-user spec).
@@ -652,10 +722,25 @@ impl VhostUserBackendReqHandlerMut for Connection {
         Err(VuError::InvalidOperation("no shared memory regions"))
     }
 
-    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
-        Err(VuError::InvalidOperation(
-            "dirty logging is not implemented",
-        ))
+    fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> VuResult<()> {
+        match LogMap::map(&file, log.mmap_size, log.mmap_offset) {
+            Ok(m) => {
+                if let Some(n) = self.drive.stats.log.vhost.admit() {
+                    info!(drive = %self.drive.config().name, bytes = m.len(), "dirty log set{}", crate::util::suppressed(n));
+                }
+                self.log.set_map(m);
+                Ok(())
+            }
+            Err(e) => {
+                // The frontend waits for this reply; an error gets none, so only closing the
+                // connection lets it go on (QEMU treats it as a backend disconnect).
+                if let Some(n) = self.drive.stats.log.vhost.admit() {
+                    warn!(drive = %self.drive.config().name, "refusing the dirty log, closing the connection: {}{}", crate::util::error_chain(&e), crate::util::suppressed(n));
+                }
+                self.fatal = true;
+                Err(VuError::ReqHandlerError(io::Error::other(e)))
+            }
+        }
     }
 }
 
@@ -771,6 +856,9 @@ impl Server {
                     ) => {
                         if let Some(n) = log.admit() {
                             warn!(drive = %self.drive.config().name, "vhost-user request refused: {e}{}", crate::util::suppressed(n));
+                        }
+                        if lock(&conn).must_close() {
+                            break;
                         }
                     }
                     Err(VuError::Disconnected) => {

@@ -125,6 +125,15 @@ impl GuestMem {
         off
     }
 
+    /// Bytes of guest memory.
+    pub fn len(&self) -> usize {
+        self.size
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.size == 0
+    }
+
     pub fn write(&self, gpa: u64, data: &[u8]) {
         let off = self.check(gpa, data.len());
         // SAFETY: in bounds (checked); the region is ours and shared with the backend, which
@@ -335,6 +344,7 @@ pub fn wanted_protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::CONFIG
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+        | VhostUserProtocolFeatures::LOG_SHMFD
 }
 
 /// Connects and performs only the handshake (features, protocol features, config), as QEMU
@@ -833,6 +843,65 @@ impl BlkFrontend {
 
     pub fn get_vring_base(&mut self, q: usize) -> Result<u32, FrontendError> {
         self.fe.get_vring_base(q).map_err(proto("GET_VRING_BASE"))
+    }
+
+    /// Starts ring `q` again after [`BlkFrontend::get_vring_base`] returned `base`, as QEMU's
+    /// `vhost_dev_start` does (same addresses, new base).
+    pub fn restart_queue(&mut self, q: usize, base: u16) -> Result<(), FrontendError> {
+        let host = self.mem.host_addr();
+        send_vring(&mut self.fe, host, q, &self.queues[q], base)
+    }
+
+    /// SET_LOG_BASE with `file` as the log (`size` bytes from offset 0); waits for the reply.
+    pub fn set_log_base(&mut self, file: &File, size: u64) -> Result<(), FrontendError> {
+        use vhost::VhostUserDirtyLogRegion;
+        self.fe
+            .set_log_base(
+                0,
+                Some(VhostUserDirtyLogRegion {
+                    mmap_size: size,
+                    mmap_offset: 0,
+                    mmap_handle: file.as_raw_fd(),
+                }),
+            )
+            .map_err(proto("SET_LOG_BASE"))
+    }
+
+    /// SET_FEATURES with the negotiated features plus or minus VHOST_F_LOG_ALL, on the running
+    /// device (what QEMU sends when a migration starts or ends).
+    pub fn set_log_all(&mut self, on: bool) -> Result<(), FrontendError> {
+        let mut f = self.negotiated.acked_features;
+        if on {
+            f |= VHOST_F_LOG_ALL;
+        }
+        self.fe.set_features(f).map_err(proto("SET_FEATURES"))
+    }
+
+    /// SET_VRING_ADDR of ring `q` with the same addresses and VHOST_VRING_F_LOG on or off;
+    /// the log address is the used ring's guest address, as QEMU sends it.
+    pub fn set_used_log(&mut self, q: usize, on: bool) -> Result<(), FrontendError> {
+        let host = self.mem.host_addr();
+        let dq = &self.queues[q];
+        self.fe
+            .set_vring_addr(
+                q,
+                &VringConfigData {
+                    queue_max_size: dq.size,
+                    queue_size: dq.size,
+                    flags: u32::from(on),
+                    desc_table_addr: host + dq.desc,
+                    used_ring_addr: host + dq.used,
+                    avail_ring_addr: host + dq.avail,
+                    log_addr: on.then_some(dq.used),
+                },
+            )
+            .map_err(proto("SET_VRING_ADDR"))
+    }
+
+    /// Guest address and length of ring `q`'s used ring (with avail_event).
+    pub fn used_ring(&self, q: usize) -> (u64, u64) {
+        let dq = &self.queues[q];
+        (dq.used, 4 + 8 * u64::from(dq.size) + 2)
     }
 }
 

@@ -39,8 +39,9 @@ fn handshake_reports_features_and_config() {
     assert_eq!(n.queue_num, 2);
     assert_eq!(n.capacity_sectors(), (64 << 20) / 512);
     assert_ne!(n.features & VIRTIO_RING_F_EVENT_IDX, 0);
-    // Dirty logging is not implemented, so it is not offered.
-    assert_eq!(n.features & VHOST_F_LOG_ALL, 0);
+    // Dirty logging (live migration) is offered, with its protocol feature.
+    assert_ne!(n.features & VHOST_F_LOG_ALL, 0);
+    assert_ne!(n.protocol_features & (1 << 1), 0, "LOG_SHMFD");
     let seg_max = u32::from_le_bytes(n.config[12..16].try_into().unwrap());
     assert_eq!(seg_max, 126);
     let nq = u16::from_le_bytes(n.config[34..36].try_into().unwrap());

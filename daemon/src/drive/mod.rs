@@ -11,8 +11,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tracing::{info, warn};
+
 use crate::engine::held::NullIo;
-use crate::engine::{Engine, EngineError, QueueIo};
+use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig, HeldEngine, QueueIo};
 use crate::util::lock;
 use crate::virtio_blk::{BlkConfig, DiskGeometry, SECTOR_SHIFT};
 
@@ -126,6 +128,9 @@ pub struct Drive {
     /// durable. Off when the driver did not negotiate FLUSH (it could not flush), or when it
     /// writes 0 (CONFIG_WCE); then every write is write-through (RWF_DSYNC / NBD FUA).
     writeback: AtomicBool,
+    /// A migration's switchover released the image (flushed, unlocked, closed): how to open
+    /// it again if the migration does not complete.
+    handed_off: Mutex<Option<FileEngineConfig>>,
     pub stats: DriveStats,
     pub drain_timeout: Duration,
 }
@@ -144,6 +149,7 @@ impl Drive {
             attach_lock: Mutex::new(()),
             running: Mutex::new(Vec::new()),
             writeback: AtomicBool::new(writeback),
+            handed_off: Mutex::new(None),
             stats: DriveStats::default(),
             drain_timeout: Duration::from_secs(30),
         })
@@ -173,6 +179,62 @@ impl Drive {
             w.request_retry();
         }
         held
+    }
+
+    /// Whether a migration's switchover released the image (see [`Drive::hand_off_image`]).
+    pub fn image_handed_off(&self) -> bool {
+        lock(&self.handed_off).is_some()
+    }
+
+    /// A migration's switchover, on the source: with every queue stopped and drained, makes
+    /// the image durable (fdatasync, as QEMU flushes before it inactivates its nodes), drops
+    /// its locks and closes it, so the destination can open it. The drive holds until
+    /// [`Drive::take_back_image`]. Only the direct engine owns an image; the others keep
+    /// what they have. Returns whether the image was released.
+    pub fn hand_off_image(&self) -> bool {
+        if self.switching.swap(true, Ordering::AcqRel) {
+            warn!(drive = %self.cfg.name, "a switch is running at the migration's switchover; image kept");
+            return false;
+        }
+        let released = {
+            let mut slot = lock(&self.engine);
+            match slot.engine.file_config() {
+                Some(cfg) if lock(&self.running).is_empty() => {
+                    if let Err(e) = slot.engine.sync_data() {
+                        // The writes were acknowledged already; the destination reads the
+                        // page cache on this host, and a remote one sees the error's effect.
+                        warn!(drive = %self.cfg.name, "fdatasync before the hand-off failed: {e}");
+                    }
+                    slot.engine.release();
+                    // The last reference to the file goes here (queue contexts went with
+                    // the workers): closing it is what NFS's close-to-open needs.
+                    slot.engine = Arc::new(HeldEngine);
+                    slot.generation += 1;
+                    *lock(&self.handed_off) = Some(cfg);
+                    true
+                }
+                _ => false,
+            }
+        };
+        self.switching.store(false, Ordering::Release);
+        if released {
+            info!(drive = %self.cfg.name, "migration switchover: image flushed, unlocked and closed");
+        }
+        released
+    }
+
+    /// Opens the image released by [`Drive::hand_off_image`] again, with its locks (the
+    /// migration failed or was cancelled). Fails if another holder has it (the destination).
+    pub fn take_back_image(&self) -> Result<(), EngineError> {
+        let Some(cfg) = lock(&self.handed_off).clone() else {
+            return Ok(());
+        };
+        let e = FileEngine::open(cfg)?;
+        let mut slot = lock(&self.engine);
+        slot.engine = Arc::new(e);
+        slot.generation += 1;
+        *lock(&self.handed_off) = None;
+        Ok(())
     }
 
     /// Called by a worker as it starts: the current engine's context for its queue, or a null

@@ -126,6 +126,16 @@ pub trait Engine: Send + Sync {
     /// Gives the storage up for another user after a drain: drops image locks, closes
     /// connections. The engine is not used again afterwards.
     fn release(&self) {}
+
+    /// Makes every completed write durable (fdatasync), before the image changes hands.
+    fn sync_data(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// How to open this engine's image again (direct engine only).
+    fn file_config(&self) -> Option<FileEngineConfig> {
+        None
+    }
     /// A private context for queue `queue` that keeps up to `depth` operations in flight.
     fn open_queue(&self, queue: usize, depth: u32) -> Result<Box<dyn QueueIo>, EngineError>;
 }

@@ -3,6 +3,8 @@
 
 use std::sync::{Arc, Mutex};
 
+pub mod dirty_log;
+
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 use crate::virtio_blk::Seg;

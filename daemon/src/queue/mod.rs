@@ -3,4 +3,6 @@
 pub mod inflight;
 pub mod worker;
 
-pub use worker::{spawn, CallHandle, WorkerError, WorkerHandle, WorkerParams, MAX_SEGS};
+pub use worker::{
+    spawn, CallHandle, WorkerError, WorkerHandle, WorkerParams, MAX_SEGS, NO_USED_LOG,
+};

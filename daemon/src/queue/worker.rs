@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -26,6 +26,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::drive::{Drive, QueueCtl};
 use crate::engine::{Engine, QueueIo};
+use crate::guest_mem::dirty_log::{used_ring_len, DirtyLog};
 use crate::guest_mem::{Mem, MemHandle};
 use crate::queue::inflight::InflightQueue;
 use crate::util::lock;
@@ -106,7 +107,15 @@ pub struct WorkerParams {
     pub inflight: Option<InflightQueue>,
     /// Heads the previous backend left in flight, oldest first: started before anything else.
     pub resubmit: Vec<u16>,
+    /// The connection's dirty log (live migration).
+    pub log: Arc<DirtyLog>,
+    /// Where the used ring is logged (`log_guest_addr` of SET_VRING_ADDR with F_LOG), or
+    /// [`NO_USED_LOG`]. Changed while the worker runs.
+    pub used_log: Arc<AtomicU64>,
 }
+
+/// `used_log` when the ring's used ring is not logged (no VHOST_VRING_F_LOG).
+pub const NO_USED_LOG: u64 = u64::MAX;
 
 /// A ring the driver corrupted: the queue stops (QEMU's `virtio_error` marks the device
 /// broken for the same cases in `virtqueue_pop`).
@@ -224,6 +233,8 @@ struct Worker {
     /// The order of the next popped request (inflight tracking).
     inflight_counter: u64,
     resubmit: Vec<u16>,
+    log: Arc<DirtyLog>,
+    used_log: Arc<AtomicU64>,
     /// The driver corrupted the ring: nothing more is popped until the frontend resets the
     /// queue (a new worker). Requests already popped complete.
     broken: bool,
@@ -287,6 +298,8 @@ impl Worker {
             inflight_counter: p.inflight.as_ref().map_or(0, InflightQueue::next_counter),
             inflight: p.inflight,
             resubmit: p.resubmit,
+            log: p.log,
+            used_log: p.used_log,
             broken: false,
             held: VecDeque::new(),
             retrying: 0,
@@ -615,6 +628,19 @@ impl Worker {
         }
         self.io = io;
         self.engine = engine;
+    }
+
+    /// Dirty logging: the used ring, after the device wrote it (QEMU syncs the whole ring
+    /// too; one or two pages).
+    fn log_used_ring(&self) {
+        let at = self.used_log.load(Ordering::Acquire);
+        if at == NO_USED_LOG {
+            return;
+        }
+        if let Some(log) = self.log.active() {
+            let log = log.as_ref().expect("active has a map");
+            log.mark(at, used_ring_len(self.queue.size()));
+        }
     }
 
     fn memory(&self) -> Arc<Mem> {

@@ -243,6 +243,17 @@ impl Engine for FileEngine {
         }
     }
 
+    fn sync_data(&self) -> io::Result<()> {
+        if self.cfg.read_only {
+            return Ok(());
+        }
+        self.file.sync_data()
+    }
+
+    fn file_config(&self) -> Option<FileEngineConfig> {
+        Some(self.cfg.clone())
+    }
+
     fn buffer_alignment(&self) -> u32 {
         self.mem_align
     }

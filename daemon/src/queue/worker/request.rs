@@ -205,6 +205,11 @@ impl Worker {
                 stats.get_ids.fetch_add(1, Ordering::Relaxed);
                 let mem = self.slots[idx].mem.clone().expect("set at start");
                 let n = (self.layout.writable_data_len as usize).min(self.id.len());
+                // What the device writes is logged at completion (dirty logging).
+                self.slots[idx].segs.clear();
+                self.slots[idx]
+                    .segs
+                    .extend_from_slice(&self.layout.writable_data);
                 let st = match copy_to_guest(&mem, &self.layout.writable_data, 0, &self.id[..n]) {
                     Ok(()) => {
                         self.slots[idx].used_len = n as u32 + 1;
@@ -546,6 +551,19 @@ impl Worker {
             debug!(queue = self.index, "status byte outside guest memory");
         }
         let head = slot.head;
+        // Dirty logging: every page the device wrote for this request, after the writes and
+        // before the used element says it completed.
+        if let Some(log) = self.log.active() {
+            let log = log.as_ref().expect("active has a map");
+            if matches!(slot.op, Op::Read { .. } | Op::GetId) {
+                for s in &slot.segs {
+                    log.mark(s.addr, u64::from(s.len));
+                }
+            }
+            if slot.status != u64::MAX {
+                log.mark(slot.status, 1);
+            }
+        }
         if let Some(iq) = &self.inflight {
             iq.pre_put(head);
         }
@@ -559,6 +577,9 @@ impl Worker {
         let freed_bounce = slot.bounce.take();
         self.used_added = true;
         self.free.push(idx);
+        if used.is_ok() {
+            self.log_used_ring();
+        }
         self.in_flight -= 1;
         if let Some(b) = freed_bounce {
             // Hand the buffer to the oldest request waiting for one.
