@@ -77,9 +77,15 @@ enum Cmd {
         /// id=D,image=PATH[,format=raw][,read-only=on][,serial=S][,queues=N][,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096][,werror=enospc|report|stop|ignore][,rerror=report|stop|ignore]
         #[arg(long = "drive", required = true)]
         drives: Vec<String>,
-        /// `cont` the VM once every drive has an engine (when QEMU was started with -S).
+        /// `cont` the VM once every drive has an engine (when QEMU was started with -S; after
+        /// an incoming migration, once it completed).
         #[arg(long)]
         cont: bool,
+        /// The VM is a live migration's destination (QEMU started with -incoming): drives stay
+        /// held and no image is opened until the migration completed. Give each drive the
+        /// source's current `writeback=on|off` (`accelctl migrate` does all of this).
+        #[arg(long)]
+        incoming: bool,
     },
     /// Hand the VM's drives back to QEMU's graph and stop serving them.
     Unregister { vm: String },
@@ -269,6 +275,7 @@ fn run(cli: &Cli) -> Result<(), Fail> {
             qmp,
             drives,
             cont,
+            incoming,
         } => {
             let specs = drives
                 .iter()
@@ -282,6 +289,7 @@ fn run(cli: &Cli) -> Result<(), Fail> {
                     qmp,
                     drives: specs,
                     cont: *cont,
+                    incoming: *incoming,
                 },
             )?;
             for s in v["sockets"].as_array().into_iter().flatten() {

@@ -44,6 +44,11 @@ pub struct DriveSpec {
     /// What a failed read does: QEMU's `rerror`.
     #[serde(default = "default_rerror")]
     pub rerror: ErrorPolicy,
+    /// The write cache the guest sees at start (config `writeback`); default on, as QEMU's
+    /// virtio-blk. A migration's destination takes the source's current value: the guest may
+    /// have changed it (CONFIG_WCE), and it sees the destination's config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writeback: Option<bool>,
 }
 
 /// What a failed request does, as QEMU's `werror`/`rerror` (`BlockdevOnError`).
@@ -196,6 +201,7 @@ impl DriveSpec {
             logical_block_size: 512,
             werror: default_werror(),
             rerror: default_rerror(),
+            writeback: None,
         };
         for kv in s.split(',') {
             let (k, v) = kv
@@ -225,6 +231,7 @@ impl DriveSpec {
                     }
                 }
                 "direct" => d.direct = on_off(k, v)?,
+                "writeback" => d.writeback = Some(on_off(k, v)?),
                 "logical-block-size" => {
                     d.logical_block_size = match v {
                         "512" => 512,
@@ -318,9 +325,15 @@ pub enum Request {
         vm: String,
         qmp: PathBuf,
         drives: Vec<DriveSpec>,
-        /// `cont` the VM once every drive has an engine, if it waits in prelaunch (-S).
+        /// `cont` the VM once every drive has an engine, if it waits in prelaunch (-S), or
+        /// paused after an incoming migration.
         #[serde(default)]
         cont: bool,
+        /// The VM is a migration's destination (QEMU runs with -incoming): its drives stay
+        /// held, no image is opened and QEMU's graph is not touched until the migration
+        /// completed.
+        #[serde(default)]
+        incoming: bool,
     },
     Unregister {
         vm: String,

@@ -149,6 +149,16 @@ pub struct DriveStatus {
     pub last_error: Option<String>,
     /// QEMU-style accounting (for `query-blockstats`).
     pub io: IoCounters,
+    /// The write cache the guest sees now (config `writeback`).
+    #[serde(default)]
+    pub writeback: bool,
+    /// A migration's switchover released the image (flushed, unlocked, closed); it comes back
+    /// if the guest runs here again.
+    #[serde(default)]
+    pub image_released: bool,
+    /// The drive as registered (for a migration's destination).
+    #[serde(default)]
+    pub spec: Option<crate::control::DriveSpec>,
 }
 
 /// One VM.
@@ -161,6 +171,12 @@ pub struct VmStatus {
     pub run_state: String,
     pub attach_error: Option<String>,
     pub drives: Vec<DriveStatus>,
+    /// Registered as a migration's destination.
+    #[serde(default)]
+    pub incoming: bool,
+    /// QEMU's migration status as last seen (`active`, `completed`, …), if any.
+    #[serde(default)]
+    pub migration: Option<String>,
 }
 
 /// The reply of `{"op":"status"}`.

@@ -117,6 +117,11 @@ impl AcceldRun {
         crate::sigterm_and_wait(&mut c, Duration::from_secs(60))
     }
 
+    /// The acceld process's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

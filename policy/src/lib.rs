@@ -325,6 +325,18 @@ impl Decision {
     }
 }
 
+/// Whether QEMU is in a migration or a migration's state: incoming, finishing, migrated away,
+/// or a migration under way. No drive changes engine then (see the supervisor's plan).
+pub fn migrating(vm: &VmState) -> bool {
+    matches!(
+        vm.run_state.as_str(),
+        "inmigrate" | "finish-migrate" | "postmigrate"
+    ) || vm
+        .migration
+        .as_deref()
+        .is_some_and(|m| MIGRATING.contains(&m))
+}
+
 /// The rules (documented one by one in `docs/policy.md`). All reasons are collected, not just
 /// the first, so `accelctl explain` can list everything standing in the way.
 pub fn decide(v: &DriveView) -> Decision {

@@ -66,10 +66,11 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
             qmp,
             drives,
             cont,
+            incoming,
         } => {
             let s = sup.clone();
             json(tokio::task::block_in_place(move || {
-                s.register(vm, qmp, drives, cont)
+                s.register(vm, qmp, drives, cont, incoming)
             }))
         }
         Request::Unregister { vm } => json(sup.unregister(&vm).await),

@@ -40,6 +40,8 @@ pub struct SavedVm {
     pub name: String,
     pub qmp: std::path::PathBuf,
     pub cont: bool,
+    #[serde(default)]
+    pub incoming: bool,
     pub drives: Vec<SavedDrive>,
 }
 

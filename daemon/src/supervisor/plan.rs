@@ -44,6 +44,10 @@ pub struct PlanInput<'a> {
     pub quiet_period: Duration,
     /// An operator asked: skip the quiet period.
     pub urgent: bool,
+    /// A migration is under way, or QEMU's state is a migration's (incoming, finishing,
+    /// migrated away): no engine moves, because a move adds or removes nodes and exports,
+    /// which makes the migration fail or activates the destination's nodes early.
+    pub migrating: bool,
 }
 
 /// Why a drive goes to (or is re-created on) the qemu engine.
@@ -96,8 +100,9 @@ fn plan_of(action: Action, timer: Timer) -> Plan {
 
 /// The plan for one drive.
 pub fn plan(i: &PlanInput<'_>) -> Plan {
-    if !i.has_device {
-        // Nothing uses the socket: no QEMU node to move to or from.
+    if !i.has_device || i.migrating {
+        // Nothing uses the socket: no QEMU node to move to or from. Or a migration: every
+        // drive keeps its engine until it ends.
         return plan_of(Action::Stay, Timer::Keep);
     }
     match (i.decision, i.engine) {
@@ -180,6 +185,7 @@ mod tests {
         export: bool,
         quiet: Quiet,
         urgent: bool,
+        migrating: bool,
         action: &'static str,
         timer: Timer,
     }
@@ -202,6 +208,7 @@ mod tests {
             quiet: c.quiet,
             quiet_period: Q,
             urgent: c.urgent,
+            migrating: c.migrating,
         })
     }
 
@@ -226,7 +233,11 @@ mod tests {
     #[rustfmt::skip]
     fn cases() -> Vec<Case> {
         let c = |name, accel, engine, device, want, have, export, quiet, urgent, action, timer| Case {
-            name, accel, engine, device, want, have, export, quiet, urgent, action, timer,
+            name, accel, engine, device, want, have, export, quiet, urgent, migrating: false, action, timer,
+        };
+        let m = |name, accel, engine, want, have, export, urgent| Case {
+            name, accel, engine, device: true, want, have, export, quiet: NotRunning, urgent,
+            migrating: true, action: "stay", timer: Timer::Keep,
         };
         vec![
             // name                                  accel  engine device want     have     export quiet              urgent action              timer
@@ -252,6 +263,14 @@ mod tests {
             c("qemu, new limits",                    false, Qemu,   true,  Some(9), Some(5), true,  NotRunning,        true,  "retune:9",         Timer::Stop),
             c("qemu, throttle added",                false, Qemu,   true,  Some(5), None,    true,  NotRunning,        true,  "qemu:throttle",    Timer::Stop),
             c("qemu, throttle removed, qcow2 stays", false, Qemu,   true,  None,    Some(5), true,  NotRunning,        false, "qemu:throttle",    Timer::Stop),
+            // A migration freezes every drive where it is (each of these would move otherwise).
+            // name                                  accel  engine want     have     export urgent
+            m("migrating: direct stays direct",      false, Direct, Some(5), None,    false, true),
+            m("migrating: held stays held",          true,  Held,   None,    None,    false, true),
+            m("migrating: incoming, held for qemu",  false, Held,   None,    None,    false, false),
+            m("migrating: qemu stays qemu",          true,  Qemu,   None,    Some(5), true,  true),
+            m("migrating: export gone, no re-create",false, Qemu,   None,    None,    false, false),
+            m("migrating: no retune",                false, Qemu,   Some(9), Some(5), true,  false),
         ]
     }
 
@@ -275,7 +294,9 @@ mod tests {
                         for have in [None, Some(5), Some(9)] {
                             for export in [true, false] {
                                 for quiet in [NotRunning, Running(MS(10)), Running(MS(5000))] {
-                                    for urgent in [true, false] {
+                                    for (urgent, migrating) in
+                                        [(true, false), (false, false), (true, true), (false, true)]
+                                    {
                                         let c = Case {
                                             name: "",
                                             accel,
@@ -286,14 +307,16 @@ mod tests {
                                             export,
                                             quiet,
                                             urgent,
+                                            migrating,
                                             action: "",
                                             timer: Timer::Keep,
                                         };
                                         let p = run(&c);
                                         n += 1;
                                         let a = &p.action;
-                                        if !device {
+                                        if !device || migrating {
                                             assert_eq!(*a, Action::Stay);
+                                            assert_eq!(p.timer, Timer::Keep);
                                             continue;
                                         }
                                         // Never direct against the rules, never QEMU when
@@ -345,6 +368,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(n, 2 * 3 * 2 * 3 * 3 * 2 * 3 * 2);
+        assert_eq!(n, 2 * 3 * 2 * 3 * 3 * 2 * 3 * 4);
     }
 }

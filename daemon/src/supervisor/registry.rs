@@ -53,7 +53,7 @@ impl Supervisor {
         let n = st.vms.len();
         for vm in st.vms {
             let name = vm.name.clone();
-            if let Err(e) = self.register_inner(vm.name, vm.qmp, vm.cont, vm.drives) {
+            if let Err(e) = self.register_inner(vm.name, vm.qmp, vm.cont, vm.incoming, vm.drives) {
                 warn!(vm = %name, "cannot restore: {}", e.chain());
             }
         }
@@ -66,6 +66,7 @@ impl Supervisor {
         qmp: PathBuf,
         drives: Vec<DriveSpec>,
         cont: bool,
+        incoming: bool,
     ) -> Result<Registered, SupError> {
         check_id("VM name", &vm).map_err(|e| SupError::Invalid(e.0))?;
         if drives.is_empty() {
@@ -84,7 +85,7 @@ impl Supervisor {
             )));
         }
         let saved = drives.into_iter().map(SavedDrive::new).collect();
-        let vmr = self.register_inner(vm, qmp, cont, saved)?;
+        let vmr = self.register_inner(vm, qmp, cont, incoming, saved)?;
         self.save();
         Ok(Registered {
             vm: vmr.name.clone(),
@@ -97,6 +98,7 @@ impl Supervisor {
         name: String,
         qmp: PathBuf,
         cont: bool,
+        incoming: bool,
         drives: Vec<SavedDrive>,
     ) -> Result<Arc<Vm>, SupError> {
         if lock(&self.vms).contains_key(&name) {
@@ -119,7 +121,7 @@ impl Supervisor {
             }
         }
         info!(vm = %name, drives = slots.len(), "registered");
-        let vm = Arc::new(Vm::new(name, qmp, cont, dir, slots));
+        let vm = Arc::new(Vm::new(name, qmp, cont, incoming, dir, slots));
         lock(&self.vms).insert(vm.name.clone(), vm.clone());
         self.spawn_vm_task(&vm);
         Ok(vm)
@@ -199,6 +201,9 @@ impl Supervisor {
             _ => (Arc::new(HeldEngine), EngineKind::Held),
         };
         let drive = Drive::new(cfg, engine);
+        if let Some(w) = spec.writeback {
+            drive.set_writeback(w && !spec.read_only);
+        }
         let server = Server::bind(&socket, drive.clone())?;
         set_mode(&socket, 0o600)?;
         let stop = server.shutdown_handle();

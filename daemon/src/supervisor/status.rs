@@ -97,6 +97,9 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         ring_errors: s.ring_errors.load(Ordering::Relaxed),
         last_error: ring_last.or_else(|| st.last_error.clone()).or(nbd_last),
         io: s.acct.counters(),
+        writeback: d.drive.writeback(),
+        image_released: d.drive.image_handed_off(),
+        spec: Some(d.spec.clone()),
     }
 }
 
@@ -140,6 +143,8 @@ impl Supervisor {
                     run_state: lock(&vm.run_state).clone(),
                     attach_error: lock(&vm.attach_error).clone(),
                     drives: vm.drives.values().map(|d| drive_status(vm, d)).collect(),
+                    incoming: vm.incoming,
+                    migration: lock(&vm.migration).clone(),
                 })
                 .collect(),
         }

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use qmp_client::commands::{Cont, ObjectAdd, QomGet, QomList, QueryChardev, QueryStatus};
+use qmp_client::commands::{
+    Cont, ObjectAdd, QomGet, QomList, QueryChardev, QueryMigrate, QueryStatus,
+};
 use qmp_client::Qmp;
 use tracing::{debug, info, warn};
 
@@ -21,12 +23,16 @@ pub struct Vm {
     pub name: String,
     pub qmp_path: PathBuf,
     pub cont: bool,
+    /// Registered as a migration's destination (`--incoming`).
+    pub incoming: bool,
     pub dir: PathBuf,
     pub drives: BTreeMap<String, Arc<ManagedDrive>>,
     qmp: Mutex<Option<Arc<Qmp>>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     pub(super) attach_error: Mutex<Option<String>>,
     pub(super) run_state: Mutex<String>,
+    /// QEMU's migration status as last seen.
+    pub(super) migration: Mutex<Option<String>>,
     continued: AtomicBool,
     /// Budget of the lines about this VM that repeat (attach retries).
     log: LogLimit,
@@ -37,6 +43,7 @@ impl Vm {
         name: String,
         qmp_path: PathBuf,
         cont: bool,
+        incoming: bool,
         dir: PathBuf,
         drives: BTreeMap<String, Arc<ManagedDrive>>,
     ) -> Self {
@@ -44,12 +51,14 @@ impl Vm {
             name,
             qmp_path,
             cont,
+            incoming,
             dir,
             drives,
             qmp: Mutex::new(None),
             task: Mutex::new(None),
             attach_error: Mutex::new(None),
             run_state: Mutex::new(String::new()),
+            migration: Mutex::new(None),
             continued: AtomicBool::new(false),
             log: LogLimit::default(),
         }
@@ -91,6 +100,7 @@ impl Vm {
             name: self.name.clone(),
             qmp: self.qmp_path.clone(),
             cont: self.cont,
+            incoming: self.incoming,
             drives: self
                 .drives
                 .values()
@@ -99,7 +109,13 @@ impl Vm {
                     let i = lock(&d.intent);
                     SavedDrive {
                         spec: d.spec.clone(),
-                        engine: d.engine_kind(),
+                        // A drive whose image went to a migration's destination is held:
+                        // a restarted acceld must not open it again.
+                        engine: if d.drive.image_handed_off() {
+                            accel_api::status::EngineKind::Held
+                        } else {
+                            d.engine_kind()
+                        },
                         nodes_removed: g.nodes_removed,
                         recorded: g.recorded.clone(),
                         pin: if i.pin_persistent { i.pin } else { None },
@@ -259,11 +275,17 @@ impl Supervisor {
                 .drives
                 .values()
                 .all(|d| d.engine_kind() != accel_api::status::EngineKind::Held);
-            if vm.cont
-                && st.status == "prelaunch"
-                && all_served
-                && !vm.continued.swap(true, Ordering::Relaxed)
-            {
+            let migration = qmp_run(&qmp, &QueryMigrate)
+                .await
+                .ok()
+                .and_then(|m| m["status"].as_str().map(str::to_string));
+            // An incoming migration with -S ends `paused`: the VM contract's `cont` is due then.
+            let waiting = st.status == "prelaunch"
+                || (vm.incoming
+                    && st.status == "paused"
+                    && migration.as_deref() == Some("completed"));
+            *lock(&vm.migration) = migration;
+            if vm.cont && waiting && all_served && !vm.continued.swap(true, Ordering::Relaxed) {
                 match qmp_run(&qmp, &Cont).await {
                     Ok(_) => info!(vm = %vm.name, "every drive has an engine: cont"),
                     Err(e) => warn!(vm = %vm.name, "cont failed: {}", e.chain()),
@@ -287,6 +309,7 @@ impl Supervisor {
         }
         let snap = observe::snapshot(qmp).await?;
         let view = observe::view(d, &snap);
+        let migrating = policy::migrating(&view.vm);
         let decision = observe::decide(d, &view);
         {
             let mut o = lock(&d.observed);
@@ -309,6 +332,7 @@ impl Supervisor {
             quiet: accel_since.map_or(Quiet::NotRunning, |t| Quiet::Running(t.elapsed())),
             quiet_period: self.cfg.quiet_period(),
             urgent,
+            migrating,
         });
         match p.timer {
             Timer::Keep => {}
