@@ -103,6 +103,31 @@ enum Cmd {
         #[arg(long)]
         shell: bool,
     },
+    /// Live-migrate a VM to another acceld (shared storage): registers it there as incoming with
+    /// this side's drive config (write cache, limits), waits for the destination QEMU
+    /// (`qemu-args` there, plus `-incoming URI`), migrates, checks the destination runs, quits the
+    /// source QEMU.
+    Migrate(MigrateArgs),
+}
+
+#[derive(Args, Debug)]
+struct MigrateArgs {
+    vm: String,
+    /// The destination acceld's run directory (its control socket is DIR/acceld.sock).
+    #[arg(long)]
+    to: PathBuf,
+    /// The destination QEMU's QMP socket (the VM contract's -qmp there).
+    #[arg(long)]
+    dest_qmp: PathBuf,
+    /// Where the destination QEMU listens (QEMU's migrate URI: unix:PATH, tcp:HOST:PORT).
+    #[arg(long)]
+    uri: String,
+    /// Seconds to wait for the destination QEMU to appear, and for the migration itself.
+    #[arg(long, default_value_t = 300)]
+    timeout: u64,
+    /// Leave the source QEMU (postmigrate) running afterwards.
+    #[arg(long)]
+    keep_source: bool,
 }
 
 #[derive(Args, Debug)]
@@ -309,6 +334,7 @@ fn run(cli: &Cli) -> Result<(), Fail> {
             call(cli, &Request::Detach { vm: vm.clone() })?;
             Ok(())
         }
+        Cmd::Migrate(m) => migrate(cli, m),
         Cmd::QemuArgs { vm, memory, shell } => {
             let v = call(
                 cli,
@@ -347,6 +373,166 @@ fn shell_quote(s: &str) -> String {
 }
 
 /// Decodes acceld's answer as the typed value it is.
+/// One step of `accelctl migrate` failed: says which.
+fn step_err(step: &str, f: Fail) -> Fail {
+    match f {
+        Fail::Usage(m) => Fail::Usage(format!("{step}: {m}")),
+        Fail::Remote(k, m) => Fail::Remote(k, format!("{step}: {m}")),
+        Fail::Unreachable(m) => Fail::Unreachable(format!("{step}: {m}")),
+    }
+}
+
+fn migrate(cli: &Cli, m: &MigrateArgs) -> Result<(), Fail> {
+    let dest = Cli {
+        run_dir: m.to.clone(),
+        cmd: Cmd::Status {
+            json: false,
+            watch: false,
+        },
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(m.timeout);
+    let poll = Duration::from_millis(50);
+    let vm_of = |c: &Cli| -> Result<Option<accel_api::status::VmStatus>, Fail> {
+        let st: Status = typed(call(c, &Request::Status)?)?;
+        Ok(st.vms.into_iter().find(|v| v.vm == m.vm))
+    };
+    // 1. This side's drives, with their runtime state.
+    let src = vm_of(cli)
+        .map_err(|e| step_err("source status", e))?
+        .ok_or_else(|| Fail::Remote(ErrorKind::NotFound, format!("no VM {} here", m.vm)))?;
+    if !src.attached {
+        return Err(Fail::Remote(
+            ErrorKind::Failed,
+            format!(
+                "VM {} is not attached here (its QEMU is not running?)",
+                m.vm
+            ),
+        ));
+    }
+    let mut drives = Vec::new();
+    for d in &src.drives {
+        let mut spec = d.spec.clone().ok_or_else(|| {
+            Fail::Remote(
+                ErrorKind::Failed,
+                "this acceld reports no drive specs".into(),
+            )
+        })?;
+        spec.writeback = Some(d.writeback);
+        spec.throttle = d.throttle.clone();
+        drives.push(spec);
+    }
+    // 2. The destination: incoming, drives held.
+    let qmp = std::path::absolute(&m.dest_qmp).unwrap_or_else(|_| m.dest_qmp.clone());
+    call(
+        &dest,
+        &Request::Register {
+            vm: m.vm.clone(),
+            qmp,
+            drives,
+            cont: true,
+            incoming: true,
+        },
+    )
+    .map_err(|e| step_err("register on the destination", e))?;
+    eprintln!(
+        "registered {} on {} (incoming); start its QEMU: accelctl --run-dir {} qemu-args --vm {} ... -incoming {}",
+        m.vm,
+        m.to.display(),
+        m.to.display(),
+        m.vm,
+        m.uri
+    );
+    // 3. The destination QEMU, waiting.
+    loop {
+        let v = vm_of(&dest).map_err(|e| step_err("destination status", e))?;
+        if v.as_ref()
+            .is_some_and(|v| v.attached && v.run_state == "inmigrate")
+        {
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(Fail::Remote(
+                ErrorKind::Failed,
+                format!(
+                    "wait for the destination QEMU: not attached and inmigrate within {} s",
+                    m.timeout
+                ),
+            ));
+        }
+        std::thread::sleep(poll);
+    }
+    eprintln!("destination QEMU is waiting (inmigrate)");
+    // 4. Migrate.
+    call(
+        cli,
+        &Request::Migrate {
+            vm: m.vm.clone(),
+            uri: m.uri.clone(),
+        },
+    )
+    .map_err(|e| step_err("migrate", e))?;
+    let mut last = String::new();
+    let info = loop {
+        let q = call(cli, &Request::MigrationStatus { vm: m.vm.clone() })
+            .map_err(|e| step_err("query-migrate", e))?;
+        let s = q["status"].as_str().unwrap_or("").to_string();
+        if s != last {
+            eprintln!(
+                "migration: {s} ({} MiB sent)",
+                q["ram"]["transferred"].as_u64().unwrap_or(0) >> 20
+            );
+            last = s.clone();
+        }
+        match s.as_str() {
+            "completed" => break q,
+            "failed" | "cancelled" => {
+                return Err(Fail::Remote(
+                    ErrorKind::Failed,
+                    format!(
+                        "migration {s}: {}; the VM keeps running here",
+                        q["error-desc"].as_str().unwrap_or("no reason given")
+                    ),
+                ))
+            }
+            _ => {}
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(Fail::Remote(
+                ErrorKind::Failed,
+                format!("migration still {s} after {} s", m.timeout),
+            ));
+        }
+        std::thread::sleep(poll);
+    };
+    // 5. The destination runs (its acceld sends `cont` once its drives are served).
+    loop {
+        let v = vm_of(&dest).map_err(|e| step_err("destination status", e))?;
+        if v.as_ref().is_some_and(|v| v.run_state == "running") {
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(Fail::Remote(
+                ErrorKind::Failed,
+                "the destination did not start running after the migration completed".into(),
+            ));
+        }
+        std::thread::sleep(poll);
+    }
+    println!(
+        "{} migrated: total {} ms, downtime {} ms, setup {} ms",
+        m.vm,
+        info["total-time"].as_u64().unwrap_or(0),
+        info["downtime"].as_u64().unwrap_or(0),
+        info["setup-time"].as_u64().unwrap_or(0)
+    );
+    // 6. The source QEMU goes; its acceld forgets the VM when its monitor does.
+    if !m.keep_source {
+        call(cli, &Request::QuitMigrated { vm: m.vm.clone() })
+            .map_err(|e| step_err("quit the source QEMU", e))?;
+    }
+    Ok(())
+}
+
 fn typed<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, Fail> {
     serde_json::from_value(v).map_err(|e| {
         Fail::Remote(

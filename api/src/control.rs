@@ -49,6 +49,9 @@ pub struct DriveSpec {
     /// have changed it (CONFIG_WCE), and it sees the destination's config.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writeback: Option<bool>,
+    /// I/O limits to apply from the start (a migration's destination takes the source's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throttle: Option<ThrottleLimits>,
 }
 
 /// What a failed request does, as QEMU's `werror`/`rerror` (`BlockdevOnError`).
@@ -202,6 +205,7 @@ impl DriveSpec {
             werror: default_werror(),
             rerror: default_rerror(),
             writeback: None,
+            throttle: None,
         };
         for kv in s.split(',') {
             let (k, v) = kv
@@ -336,6 +340,20 @@ pub enum Request {
         incoming: bool,
     },
     Unregister {
+        vm: String,
+    },
+    /// Start a live migration of the VM to `uri` (QEMU's `migrate`); the destination must
+    /// wait with -incoming, its acceld registered `incoming`.
+    Migrate {
+        vm: String,
+        uri: String,
+    },
+    /// QEMU's `query-migrate` of the VM, as QEMU answers it.
+    MigrationStatus {
+        vm: String,
+    },
+    /// `quit` the VM's QEMU after it migrated away (refused unless it is `postmigrate`).
+    QuitMigrated {
         vm: String,
     },
     Attach {

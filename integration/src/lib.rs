@@ -311,6 +311,12 @@ impl Guest {
         Ok(())
     }
 
+    /// Kills QEMU; returns all its output (stderr lines start with `qemu: `).
+    pub fn kill(&mut self) -> Result<Vec<String>> {
+        let _ = self.child.kill();
+        self.wait_exit(Duration::from_secs(10))
+    }
+
     /// Waits for the guest to power off; returns all its output.
     pub fn wait_exit(&mut self, timeout: Duration) -> Result<Vec<String>> {
         let deadline = Instant::now() + timeout;

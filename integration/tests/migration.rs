@@ -283,3 +283,249 @@ fn direct_drive_migrates_round_trips_under_guest_writes() -> Result<()> {
     );
     Ok(())
 }
+
+/// Boots vm1 on `acc` with the writer guest, waits until it writes on the direct engine.
+fn writer_on(acc: &AcceldRun, dir: &Path, tag: &str, drive: &str) -> Result<Instance> {
+    let qmp = dir.join(format!("qmp-{tag}.sock"));
+    register(acc, &qmp, drive, false)?;
+    let mut i = boot(
+        acc,
+        &dir.join(format!("side-{tag}.sock")),
+        &[],
+        &writer_script("/dev/vda", WORKERS, BLOCKS),
+    )?;
+    i.guest
+        .wait_for("READY", Duration::from_secs(120))
+        .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
+    acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;
+    Ok(i)
+}
+
+/// Stops the writers and checks the guest's verdict and the image.
+fn verify_guest(i: &mut Instance, img: &Path) -> Result<String> {
+    i.guest.wait_for("progress=", Duration::from_secs(60))?;
+    i.guest.send_line("STOP")?;
+    let out = i.guest.wait_exit(Duration::from_secs(180))?;
+    if !out.iter().any(|l| l.contains("RESULT: PASS")) {
+        bail!("guest failed:\n{}", out.join("\n"));
+    }
+    assert_eq!(guest_value(&out, "errors")?, "0");
+    assert_eq!(guest_value(&out, "kernel_errors")?, "0");
+    let md5 = guest_value(&out, "md5")?;
+    assert_eq!(
+        host_md5(img, u64::from(WORKERS * BLOCKS) * 4096)?,
+        md5,
+        "the host sees what the guest wrote"
+    );
+    guest_value(&out, "iterations")
+}
+
+/// A throttled drive (qemu engine, acceld's NBD export on QEMU's node) migrates with
+/// `accelctl migrate`: acceld pauses the migration at pre-switchover, removes its export so
+/// QEMU can inactivate the node, continues; the destination takes the same limits.
+#[test]
+fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
+    let dir = workdir("mig-thr");
+    let img = dir.path().join("d0.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let drive = format!("id=d0,image={},queues=2", img.display());
+    let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
+    let b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
+    let mut src = writer_on(&a, dir.path(), "a", &drive)?;
+    a.ctl_ok(&["throttle", "vm1", "d0", "--iops-total", "3000"])?;
+    a.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
+    src.guest.wait_for("progress=", Duration::from_secs(60))?;
+
+    let mig = dir.path().join("mig.sock");
+    let uri = format!("unix:{}", mig.display());
+    let dqmp = dir.path().join("qmp-b.sock");
+    let run_b = b.run_dir.to_str().unwrap().to_string();
+    let accelctl = accel_integration::supervised::accelctl_bin()?;
+    let run_a = a.run_dir.clone();
+    let (dq, u) = (dqmp.clone(), uri.clone());
+    let t = std::thread::spawn(move || {
+        std::process::Command::new(accelctl)
+            .arg("--run-dir")
+            .arg(run_a)
+            .args(["migrate", "vm1", "--to", &run_b, "--dest-qmp"])
+            .arg(dq)
+            .args(["--uri", &u, "--timeout", "120"])
+            .output()
+    });
+    // accelctl registers vm1 on b; then the destination QEMU can start.
+    let t0 = Instant::now();
+    while b.drive("vm1", "d0").is_err() {
+        if t0.elapsed() > Duration::from_secs(20) {
+            bail!("accelctl migrate did not register the destination");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let d = b.drive("vm1", "d0")?;
+    assert_eq!(d["throttle"]["iops-total"], 3000, "limits handed over: {d}");
+    let mut dst = boot(
+        &b,
+        &dir.path().join("side-b.sock"),
+        &["-incoming".to_string(), uri.clone()],
+        &writer_script("/dev/vda", WORKERS, BLOCKS),
+    )?;
+    let out = t.join().expect("accelctl thread")?;
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    if !out.status.success() {
+        bail!(
+            "accelctl migrate failed: {so}{se}\nsource acceld:\n{}\ndestination acceld:\n{}",
+            a.log_text(),
+            b.log_text()
+        );
+    }
+    println!("accelctl migrate: {}{}", se, so.trim());
+    assert!(so.contains("migrated: total"), "{so}");
+    // The source quit; the destination serves the drive on its qemu engine with the limits.
+    src.guest.wait_exit(Duration::from_secs(30))?;
+    b.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
+    assert_eq!(status_of(&dst)?, "running");
+    assert!(
+        dst.side
+            .throttle_filters()?
+            .iter()
+            .any(|f| f.contains("d0")),
+        "QEMU's throttle filter on the destination"
+    );
+    // The limits cleared there: back to direct, with the image's locks on the destination.
+    b.ctl_ok(&["throttle", "vm1", "d0", "--clear"])?;
+    b.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;
+    assert!(holds_lock(b.pid(), &img));
+    let iters = verify_guest(&mut dst, &img)?;
+    println!("throttled drive migrated; guest {iters} verified iterations, 0 errors");
+    Ok(())
+}
+
+/// `migrate_cancel` mid-migration: the source keeps running and owns the image, the
+/// destination QEMU exits, the guest verifies.
+#[test]
+fn cancelled_migration_leaves_the_source_running() -> Result<()> {
+    let dir = workdir("mig-cancel");
+    let img = dir.path().join("d0.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let drive = format!("id=d0,image={},queues=2", img.display());
+    let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
+    let b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
+    let mut src = writer_on(&a, dir.path(), "a", &drive)?;
+    register(&b, &dir.path().join("qmp-b.sock"), &drive, true)?;
+    let mig = dir.path().join("mig.sock");
+    let dst = boot(
+        &b,
+        &dir.path().join("side-b.sock"),
+        &["-incoming".to_string(), format!("unix:{}", mig.display())],
+        &writer_script("/dev/vda", WORKERS, BLOCKS),
+    )?;
+    b.wait_attached("vm1", Duration::from_secs(10))?;
+    // Slow enough to still be running when cancelled.
+    src.side
+        .cmd("migrate-set-parameters", json!({"max-bandwidth": 4 << 20}))?;
+    src.side
+        .cmd("migrate", json!({"uri": format!("unix:{}", mig.display())}))?;
+    std::thread::sleep(Duration::from_millis(500));
+    let m = src.side.cmd("query-migrate", Value::Null)?;
+    assert_eq!(m["status"], "active", "{m}");
+    src.side.cmd("migrate_cancel", Value::Null)?;
+    let t0 = Instant::now();
+    loop {
+        let m = src.side.cmd("query-migrate", Value::Null)?;
+        if m["status"] == "cancelled" {
+            break;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            bail!("not cancelled: {m}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(status_of(&src)?, "running");
+    let d = a.drive("vm1", "d0")?;
+    assert_eq!(d["engine"], "direct", "{d}");
+    assert_eq!(d["image_released"], false, "{d}");
+    assert!(holds_lock(a.pid(), &img), "the source still owns the image");
+    assert!(!has_open(b.pid(), &img));
+    drop(dst);
+    // The guest goes on and verifies on the source.
+    src.guest.wait_for("progress=", Duration::from_secs(60))?;
+    let iters = verify_guest(&mut src, &img)?;
+    println!(
+        "cancelled migration: source kept running; guest {iters} verified iterations, 0 errors"
+    );
+    Ok(())
+}
+
+/// A destination QEMU with no acceld serving its socket does not start; the source is not
+/// affected.
+#[test]
+fn no_destination_acceld_means_no_destination() -> Result<()> {
+    let dir = workdir("mig-nodst");
+    let img = dir.path().join("d0.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let drive = format!("id=d0,image={},queues=2", img.display());
+    let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
+    let mut src = writer_on(&a, dir.path(), "a", &drive)?;
+    // The destination's contract names sockets nobody serves (a second acceld, stopped).
+    let mut b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
+    register(&b, &dir.path().join("qmp-b.sock"), &drive, true)?;
+    let contract: Vec<String> = b
+        .ctl_ok(&["qemu-args", "--vm", "vm1", "--memory", "256M"])?
+        .lines()
+        .map(String::from)
+        .collect();
+    b.terminate()?;
+    let mig = dir.path().join("mig.sock");
+    let mut g = Guest::boot_contract(
+        &contract,
+        &["-incoming".to_string(), format!("unix:{}", mig.display())],
+        "true",
+    )?;
+    // QEMU retries the vhost-user socket (reconnect-ms) at realize and never gets to listen
+    // for the migration: there is no destination to migrate to.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        !mig.exists(),
+        "the destination QEMU listens without its disks"
+    );
+    let r = src
+        .side
+        .cmd("migrate", json!({"uri": format!("unix:{}", mig.display())}));
+    let failed = match r {
+        Err(e) => format!("migrate refused: {e}"),
+        Ok(_) => {
+            let t0 = Instant::now();
+            loop {
+                let m = src.side.cmd("query-migrate", Value::Null)?;
+                if m["status"] == "failed" {
+                    break format!("migration failed: {}", m["error-desc"]);
+                }
+                if t0.elapsed() > Duration::from_secs(30) {
+                    bail!("migration to nowhere did not fail: {m}");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    let out = g.kill()?;
+    let qemu: Vec<_> = out
+        .iter()
+        .filter(|l| l.starts_with("qemu:"))
+        .cloned()
+        .collect();
+    assert!(
+        qemu.iter().any(|l| l.contains("Unable to connect")),
+        "{qemu:?}"
+    );
+    println!(
+        "no destination acceld: {failed}; destination QEMU: {}",
+        qemu.join(" | ")
+    );
+    assert_eq!(status_of(&src)?, "running");
+    assert_eq!(a.drive("vm1", "d0")?["engine"], "direct");
+    let iters = verify_guest(&mut src, &img)?;
+    println!("source unaffected; guest {iters} verified iterations, 0 errors");
+    Ok(())
+}

@@ -34,6 +34,7 @@ no_args!(QueryVersion, "query-version", VersionInfo);
 no_args!(QueryStatus, "query-status", StatusInfo);
 no_args!(Stop, "stop", Value);
 no_args!(Cont, "cont", Value);
+no_args!(Quit, "quit", Value);
 no_args!(QueryChardev, "query-chardev", Vec<ChardevInfo>);
 no_args!(QueryBlock, "query-block", Vec<Value>);
 no_args!(QueryBlockstats, "query-blockstats", Vec<Value>);
@@ -245,3 +246,39 @@ pub struct XQueryVirtioStatus {
     pub path: String,
 }
 with_args!(XQueryVirtioStatus, "x-query-virtio-status", Value);
+
+no_args!(
+    QueryMigrateCapabilities,
+    "query-migrate-capabilities",
+    Vec<MigrationCapabilityStatus>
+);
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MigrationCapabilityStatus {
+    pub capability: String,
+    pub state: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct MigrateSetCapabilities {
+    pub capabilities: Vec<MigrationCapabilityStatus>,
+}
+with_args!(MigrateSetCapabilities, "migrate-set-capabilities", Value);
+
+impl MigrateSetCapabilities {
+    pub fn one(capability: &str, state: bool) -> Self {
+        MigrateSetCapabilities {
+            capabilities: vec![MigrationCapabilityStatus {
+                capability: capability.into(),
+                state,
+            }],
+        }
+    }
+}
+
+/// `migrate-continue` from a paused migration state (`pre-switchover`).
+#[derive(Clone, Debug, Serialize)]
+pub struct MigrateContinue {
+    pub state: String,
+}
+with_args!(MigrateContinue, "migrate-continue", Value);

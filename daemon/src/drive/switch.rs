@@ -152,7 +152,9 @@ impl Paused {
         d.switching.store(false, Ordering::Release);
         let pause = self.t0.elapsed();
         if engine.holds() {
-            info!(drive = %d.cfg.name, from = %self.from, "drive held: requests wait in the vring");
+            if let Some(n) = d.stats.log.hold.admit() {
+                info!(drive = %d.cfg.name, from = %self.from, "drive held: requests wait in the vring{}", crate::util::suppressed(n));
+            }
         } else {
             d.stats.switches.fetch_add(1, Ordering::Relaxed);
             d.stats

@@ -74,6 +74,9 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
             }))
         }
         Request::Unregister { vm } => json(sup.unregister(&vm).await),
+        Request::Migrate { vm, uri } => json(sup.migrate(&vm, &uri).await),
+        Request::MigrationStatus { vm } => json(sup.migration_status(&vm).await),
+        Request::QuitMigrated { vm } => json(sup.quit_migrated(&vm).await),
         Request::Attach { vm } => json(sup.attach(&vm)),
         Request::Detach { vm } => json(sup.detach(&vm)),
         Request::Status => json(Ok(sup.status())),

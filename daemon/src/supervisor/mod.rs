@@ -43,6 +43,7 @@ use crate::util::lock;
 
 mod contract;
 mod drive_state;
+mod migration;
 mod observe;
 mod persist;
 pub mod plan;

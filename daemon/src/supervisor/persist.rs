@@ -23,14 +23,15 @@ pub struct SavedDrive {
 
 impl SavedDrive {
     /// A drive just registered: held until the supervisor attaches.
-    pub fn new(spec: DriveSpec) -> Self {
+    pub fn new(mut spec: DriveSpec) -> Self {
+        let throttle = spec.throttle.take().filter(|l| !l.is_empty());
         SavedDrive {
             spec,
             engine: EngineKind::Held,
             nodes_removed: false,
             recorded: None,
             pin: None,
-            throttle: None,
+            throttle,
         }
     }
 }

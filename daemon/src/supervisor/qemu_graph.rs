@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use accel_api::control::ThrottleLimits;
 use policy::NodeView;
 use qmp_client::commands::{
-    BlockExportAdd, BlockExportDel, BlockdevAdd, BlockdevDel, NbdServerStart, ObjectAdd, ObjectDel,
-    QomList, QomSet, QueryBlockExports, QueryNamedBlockNodes,
+    BlockExportAdd, BlockExportDel, BlockdevAdd, BlockdevDel, BlockdevSetActive, NbdServerStart,
+    ObjectAdd, ObjectDel, QomList, QomSet, QueryBlockExports, QueryNamedBlockNodes,
 };
 use qmp_client::Qmp;
 use serde_json::json;
@@ -90,8 +90,28 @@ impl Supervisor {
         qmp: &Qmp,
         nbd_socket: &Path,
         throttle: Option<&ThrottleLimits>,
+        after_incoming: bool,
     ) -> Result<String, SupError> {
         let id = d.id();
+        if after_incoming {
+            // The destination of a completed migration, still paused: its nodes stay
+            // inactive until `cont`, and no active node (filter, export) may sit on an
+            // inactive one. The source gave the image up, so activate the drive's node now.
+            let nodes = qmp_run(qmp, &QueryNamedBlockNodes::default()).await?;
+            let inactive = nodes
+                .iter()
+                .any(|n| n["node-name"].as_str() == Some(id) && n["active"] == false);
+            if inactive {
+                qmp_run(
+                    qmp,
+                    &BlockdevSetActive {
+                        node_name: Some(id.to_string()),
+                        active: true,
+                    },
+                )
+                .await?;
+            }
+        }
         let top = match throttle {
             Some(l) => {
                 qmp_run(

@@ -137,7 +137,9 @@ impl Supervisor {
                     None => Err((paused, SupError::QemuState("have a way back".into()))),
                 };
                 if let Err((paused, e2)) = restored {
-                    warn!(vm = %vm.name, drive = %d.spec.id, "rollback failed, holding the drive's requests: {}", e2.chain());
+                    if let Some(n) = d.log.admit() {
+                        warn!(vm = %vm.name, drive = %d.spec.id, "rollback failed, holding the drive's requests: {}{}", e2.chain(), crate::util::suppressed(n));
+                    }
                     let _ = block_in_place(|| paused.resume(Arc::new(HeldEngine)));
                     d.set_engine(EngineKind::Held);
                 }
@@ -186,7 +188,11 @@ impl Supervisor {
                 self.restore_nodes(d, qmp).await?;
                 let throttle = lock(&d.intent).throttle.clone();
                 let sock = vm.nbd_socket();
-                let export = self.qemu_up(d, qmp, &sock, throttle.as_ref()).await?;
+                let after_incoming =
+                    vm.incoming && lock(&vm.migration).as_deref() == Some("completed");
+                let export = self
+                    .qemu_up(d, qmp, &sock, throttle.as_ref(), after_incoming)
+                    .await?;
                 let engine = block_in_place(|| NbdEngine::connect(&sock, &export))?;
                 if engine.info().size < d.drive.config().capacity_bytes {
                     return Err(SupError::Invalid(format!(

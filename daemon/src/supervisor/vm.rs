@@ -33,6 +33,8 @@ pub struct Vm {
     pub(super) run_state: Mutex<String>,
     /// QEMU's migration status as last seen.
     pub(super) migration: Mutex<Option<String>>,
+    /// Who owns QEMU's pause-before-switchover (see `migration.rs`).
+    pub(super) pause_owner: Mutex<super::migration::PauseOwner>,
     continued: AtomicBool,
     /// Budget of the lines about this VM that repeat (attach retries).
     log: LogLimit,
@@ -59,6 +61,7 @@ impl Vm {
             attach_error: Mutex::new(None),
             run_state: Mutex::new(String::new()),
             migration: Mutex::new(None),
+            pause_owner: Mutex::new(super::migration::PauseOwner::default()),
             continued: AtomicBool::new(false),
             log: LogLimit::default(),
         }
@@ -125,6 +128,10 @@ impl Vm {
                 .collect(),
         }
     }
+}
+
+fn pre_switchover(ev: &qmp_client::Event) -> bool {
+    ev.name == "MIGRATION" && ev.data["status"] == "pre-switchover"
 }
 
 /// QMP events after which the drives are looked at again.
@@ -234,10 +241,21 @@ impl Supervisor {
                 ev = events.recv() => match ev {
                     Ok(ev) => {
                         debug!(vm = %vm.name, event = %ev.name, "QMP event");
+                        // The migration waits at pre-switchover: acceld's part comes first
+                        // (it is the guest's downtime).
+                        if pre_switchover(&ev) {
+                            self.pre_switchover(vm, &qmp).await;
+                        }
                         if relevant(&ev.name) {
                             // Let a burst of events settle, then look once.
                             tokio::time::sleep(Duration::from_millis(20)).await;
-                            while events.try_recv().is_ok() {}
+                            let mut pre = false;
+                            while let Ok(e) = events.try_recv() {
+                                pre |= pre_switchover(&e);
+                            }
+                            if pre {
+                                self.pre_switchover(vm, &qmp).await;
+                            }
                             self.reconcile_vm(vm, false).await;
                         }
                     }
@@ -284,7 +302,18 @@ impl Supervisor {
                 || (vm.incoming
                     && st.status == "paused"
                     && migration.as_deref() == Some("completed"));
+            let migrating = policy::migrating(&policy::VmState {
+                run_state: st.status.clone(),
+                migration: migration.clone(),
+            });
             *lock(&vm.migration) = migration;
+            if !migrating {
+                if let Err(e) = self.tune_migration_caps(vm, &qmp).await {
+                    if let Some(n) = vm.log.admit() {
+                        warn!(vm = %vm.name, "cannot set the migration capabilities: {}{}", e.chain(), suppressed(n));
+                    }
+                }
+            }
             if vm.cont && waiting && all_served && !vm.continued.swap(true, Ordering::Relaxed) {
                 match qmp_run(&qmp, &Cont).await {
                     Ok(_) => info!(vm = %vm.name, "every drive has an engine: cont"),
