@@ -128,6 +128,14 @@ struct MigrateArgs {
     /// Leave the source QEMU (postmigrate) running afterwards.
     #[arg(long)]
     keep_source: bool,
+    /// Non-shared storage: copy each drive named by --dest-image into its new image while the
+    /// VM runs (QEMU's mirror, through the qemu engine), then migrate.
+    #[arg(long)]
+    copy_storage: bool,
+    /// ID=PATH: the destination's image of drive ID (same virtual size, e.g. a blank raw file);
+    /// with --copy-storage.
+    #[arg(long = "dest-image")]
+    dest_images: Vec<String>,
 }
 
 #[derive(Args, Debug)]
@@ -409,6 +417,27 @@ fn migrate(cli: &Cli, m: &MigrateArgs) -> Result<(), Fail> {
             ),
         ));
     }
+    let mut copies: Vec<(String, PathBuf)> = Vec::new();
+    for di in &m.dest_images {
+        let (id, path) = di
+            .split_once('=')
+            .ok_or_else(|| Fail::Usage(format!("--dest-image {di}: expected ID=PATH")))?;
+        if !src.drives.iter().any(|d| d.drive == id) {
+            return Err(Fail::Usage(format!(
+                "--dest-image {di}: VM {} has no drive {id}",
+                m.vm
+            )));
+        }
+        copies.push((
+            id.to_string(),
+            std::path::absolute(path).unwrap_or_else(|_| path.into()),
+        ));
+    }
+    if m.copy_storage == copies.is_empty() {
+        return Err(Fail::Usage(
+            "--copy-storage needs a --dest-image ID=PATH per copied drive, and --dest-image needs --copy-storage".into(),
+        ));
+    }
     let mut drives = Vec::new();
     for d in &src.drives {
         let mut spec = d.spec.clone().ok_or_else(|| {
@@ -419,6 +448,9 @@ fn migrate(cli: &Cli, m: &MigrateArgs) -> Result<(), Fail> {
         })?;
         spec.writeback = Some(d.writeback);
         spec.throttle = d.throttle.clone();
+        if let Some((_, p)) = copies.iter().find(|(id, _)| *id == d.drive) {
+            spec.image = p.clone();
+        }
         drives.push(spec);
     }
     // 2. The destination: incoming, drives held.
@@ -462,6 +494,61 @@ fn migrate(cli: &Cli, m: &MigrateArgs) -> Result<(), Fail> {
         std::thread::sleep(poll);
     }
     eprintln!("destination QEMU is waiting (inmigrate)");
+    // Copy-storage: each copied drive goes to QEMU's block layer here and is mirrored into the
+    // destination's new image; the mirror ends in sync at the switchover.
+    for (id, _) in &copies {
+        let undo = |f: Fail| {
+            let _ = call(
+                cli,
+                &Request::Accelerate {
+                    vm: m.vm.clone(),
+                    drive: id.clone(),
+                    pin: false,
+                },
+            );
+            f
+        };
+        call(
+            cli,
+            &Request::Handback {
+                vm: m.vm.clone(),
+                drive: id.clone(),
+                pin: false,
+            },
+        )
+        .map_err(|e| step_err(&format!("move {id} to the qemu engine for the copy"), e))?;
+        let t = call(
+            &dest,
+            &Request::MirrorTarget {
+                vm: m.vm.clone(),
+                drive: id.clone(),
+            },
+        )
+        .map_err(|e| {
+            undo(step_err(
+                &format!("export {id}'s new image on the destination"),
+                e,
+            ))
+        })?;
+        let socket = PathBuf::from(t["socket"].as_str().unwrap_or_default());
+        let export = t["export"].as_str().unwrap_or_default().to_string();
+        eprintln!("copying {id} to the destination's image ...");
+        let r = call(
+            cli,
+            &Request::MirrorTo {
+                vm: m.vm.clone(),
+                drive: id.clone(),
+                socket,
+                export,
+            },
+        )
+        .map_err(|e| undo(step_err(&format!("mirror {id}"), e)))?;
+        eprintln!(
+            "{id}: {} MiB in sync after {} ms; writes now go to both images",
+            r["len"].as_u64().unwrap_or(0) >> 20,
+            r["took_ms"].as_u64().unwrap_or(0)
+        );
+    }
     // 4. Migrate.
     call(
         cli,

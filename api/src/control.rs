@@ -348,6 +348,20 @@ pub enum Request {
         vm: String,
         uri: String,
     },
+    /// Copy-storage, destination side: export the drive's node (its new image) over NBD for the
+    /// source's mirror; answers the socket and export name.
+    MirrorTarget {
+        vm: String,
+        drive: String,
+    },
+    /// Copy-storage, source side: mirror the drive (on the qemu engine) into an NBD export;
+    /// answers once the mirror is in sync.
+    MirrorTo {
+        vm: String,
+        drive: String,
+        socket: PathBuf,
+        export: String,
+    },
     /// QEMU's `query-migrate` of the VM, as QEMU answers it.
     MigrationStatus {
         vm: String,

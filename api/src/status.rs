@@ -297,6 +297,9 @@ mod tests {
                 rd_operations: 7,
                 ..Default::default()
             },
+            writeback: true,
+            image_released: false,
+            spec: None,
         };
         let s = Status {
             vms: vec![VmStatus {
@@ -306,6 +309,8 @@ mod tests {
                 run_state: "running".into(),
                 attach_error: None,
                 drives: vec![d],
+                incoming: false,
+                migration: None,
             }],
         };
         let j = serde_json::to_value(&s).unwrap();

@@ -336,52 +336,11 @@ fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
     a.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
     src.guest.wait_for("progress=", Duration::from_secs(60))?;
 
-    let mig = dir.path().join("mig.sock");
-    let uri = format!("unix:{}", mig.display());
-    let dqmp = dir.path().join("qmp-b.sock");
-    let run_b = b.run_dir.to_str().unwrap().to_string();
-    let accelctl = accel_integration::supervised::accelctl_bin()?;
-    let run_a = a.run_dir.clone();
-    let (dq, u) = (dqmp.clone(), uri.clone());
-    let t = std::thread::spawn(move || {
-        std::process::Command::new(accelctl)
-            .arg("--run-dir")
-            .arg(run_a)
-            .args(["migrate", "vm1", "--to", &run_b, "--dest-qmp"])
-            .arg(dq)
-            .args(["--uri", &u, "--timeout", "120"])
-            .output()
-    });
-    // accelctl registers vm1 on b; then the destination QEMU can start.
-    let t0 = Instant::now();
-    while b.drive("vm1", "d0").is_err() {
-        if t0.elapsed() > Duration::from_secs(20) {
-            bail!("accelctl migrate did not register the destination");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (text, mut dst) = accelctl_migrate(&a, &b, dir.path(), &[])?;
+    println!("accelctl migrate:\n{}", text.trim());
+    assert!(text.contains("migrated: total"), "{text}");
     let d = b.drive("vm1", "d0")?;
     assert_eq!(d["throttle"]["iops-total"], 3000, "limits handed over: {d}");
-    let mut dst = boot(
-        &b,
-        &dir.path().join("side-b.sock"),
-        &["-incoming".to_string(), uri.clone()],
-        &writer_script("/dev/vda", WORKERS, BLOCKS),
-    )?;
-    let out = t.join().expect("accelctl thread")?;
-    let (so, se) = (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    );
-    if !out.status.success() {
-        bail!(
-            "accelctl migrate failed: {so}{se}\nsource acceld:\n{}\ndestination acceld:\n{}",
-            a.log_text(),
-            b.log_text()
-        );
-    }
-    println!("accelctl migrate: {}{}", se, so.trim());
-    assert!(so.contains("migrated: total"), "{so}");
     // The source quit; the destination serves the drive on its qemu engine with the limits.
     src.guest.wait_exit(Duration::from_secs(30))?;
     b.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
@@ -527,5 +486,102 @@ fn no_destination_acceld_means_no_destination() -> Result<()> {
     assert_eq!(a.drive("vm1", "d0")?["engine"], "direct");
     let iters = verify_guest(&mut src, &img)?;
     println!("source unaffected; guest {iters} verified iterations, 0 errors");
+    Ok(())
+}
+
+/// Runs `accelctl migrate` from `a` to `b` in a thread, boots the destination QEMU once the
+/// destination is registered; returns accelctl's output and the destination instance.
+fn accelctl_migrate(
+    a: &AcceldRun,
+    b: &AcceldRun,
+    dir: &Path,
+    extra: &[&str],
+) -> Result<(String, Instance)> {
+    let mig = dir.join("mig.sock");
+    let uri = format!("unix:{}", mig.display());
+    let dqmp = dir.join("qmp-b.sock");
+    let run_b = b.run_dir.to_str().unwrap().to_string();
+    let accelctl = accel_integration::supervised::accelctl_bin()?;
+    let run_a = a.run_dir.clone();
+    let u = uri.clone();
+    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let t = std::thread::spawn(move || {
+        std::process::Command::new(accelctl)
+            .arg("--run-dir")
+            .arg(run_a)
+            .args(["migrate", "vm1", "--to", &run_b, "--dest-qmp"])
+            .arg(dqmp)
+            .args(["--uri", &u, "--timeout", "120"])
+            .args(extra)
+            .output()
+    });
+    let t0 = Instant::now();
+    while b.drive("vm1", "d0").is_err() {
+        if t0.elapsed() > Duration::from_secs(20) {
+            bail!("accelctl migrate did not register the destination");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let dst = boot(
+        b,
+        &dir.join("side-b.sock"),
+        &["-incoming".to_string(), uri],
+        &writer_script("/dev/vda", WORKERS, BLOCKS),
+    )?;
+    let out = t.join().expect("accelctl thread")?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    if !out.status.success() {
+        bail!(
+            "accelctl migrate failed: {text}\nsource acceld:\n{}\ndestination acceld:\n{}",
+            a.log_text(),
+            b.log_text()
+        );
+    }
+    Ok((text, dst))
+}
+
+/// Copy-storage (non-shared storage): the destination has a blank image of its own; accelctl
+/// mirrors the running drive into it through QEMU's block layer, migrates, and the
+/// destination acceld serves the new image directly. The guest verifies there, and the new
+/// image holds what it wrote.
+#[test]
+fn copy_storage_to_a_blank_image() -> Result<()> {
+    let dir = workdir("mig-copy");
+    let img = dir.path().join("d0.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let new = dir.path().join("d0-dest.raw");
+    std::fs::File::create(&new)?.set_len(64 << 20)?;
+    let drive = format!("id=d0,image={},queues=2", img.display());
+    let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
+    let b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
+    let mut src = writer_on(&a, dir.path(), "a", &drive)?;
+    src.guest.wait_for("progress=", Duration::from_secs(60))?;
+    let dest_image = format!("d0={}", new.display());
+    let (text, mut dst) = accelctl_migrate(
+        &a,
+        &b,
+        dir.path(),
+        &["--copy-storage", "--dest-image", &dest_image],
+    )?;
+    println!("accelctl migrate --copy-storage:\n{}", text.trim());
+    assert!(text.contains("in sync"), "{text}");
+    src.guest.wait_exit(Duration::from_secs(30))?;
+    b.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;
+    let d = b.drive("vm1", "d0")?;
+    assert_eq!(d["image"], new.to_str().unwrap(), "{d}");
+    assert!(
+        holds_lock(b.pid(), &new),
+        "the destination serves the new image"
+    );
+    assert!(
+        !has_open(b.pid(), &img),
+        "the destination does not touch the old image"
+    );
+    let iters = verify_guest(&mut dst, &new)?;
+    println!("copy-storage: guest {iters} verified iterations on the new image, 0 errors, its md5 matches");
     Ok(())
 }

@@ -282,3 +282,15 @@ pub struct MigrateContinue {
     pub state: String,
 }
 with_args!(MigrateContinue, "migrate-continue", Value);
+
+/// `blockdev-mirror` (arguments as QEMU names them).
+#[derive(Clone, Debug, Serialize)]
+pub struct BlockdevMirror(pub Value);
+with_args!(BlockdevMirror, "blockdev-mirror", Value);
+
+/// `block-job-cancel`: on a READY mirror, the job completes with the target in sync.
+#[derive(Clone, Debug, Serialize)]
+pub struct BlockJobCancel {
+    pub device: String,
+}
+with_args!(BlockJobCancel, "block-job-cancel", Value);

@@ -76,6 +76,13 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
         Request::Unregister { vm } => json(sup.unregister(&vm).await),
         Request::Migrate { vm, uri } => json(sup.migrate(&vm, &uri).await),
         Request::MigrationStatus { vm } => json(sup.migration_status(&vm).await),
+        Request::MirrorTarget { vm, drive } => json(sup.mirror_target_export(&vm, &drive).await),
+        Request::MirrorTo {
+            vm,
+            drive,
+            socket,
+            export,
+        } => json(sup.mirror_to(&vm, &drive, &socket, &export).await),
         Request::QuitMigrated { vm } => json(sup.quit_migrated(&vm).await),
         Request::Attach { vm } => json(sup.attach(&vm)),
         Request::Detach { vm } => json(sup.detach(&vm)),

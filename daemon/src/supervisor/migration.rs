@@ -15,8 +15,9 @@ use std::sync::Arc;
 
 use accel_api::status::EngineKind;
 use qmp_client::commands::{
-    Migrate, MigrateContinue, MigrateSetCapabilities, QueryMigrate, QueryMigrateCapabilities,
-    QueryStatus, Quit,
+    BlockExportAdd, BlockExportDel, BlockJobCancel, BlockdevAdd, BlockdevDel, BlockdevMirror,
+    Migrate, MigrateContinue, MigrateSetCapabilities, QueryBlockExports, QueryBlockJobs,
+    QueryMigrate, QueryMigrateCapabilities, QueryStatus, Quit,
 };
 use qmp_client::Qmp;
 use tokio::task::block_in_place;
@@ -41,6 +42,21 @@ pub enum PauseOwner {
 
 const PAUSE: &str = "pause-before-switchover";
 
+/// Copy-storage: the destination's export of its drive node, the source's target node and
+/// mirror job (all acceld's, hidden from its other bookkeeping by these names).
+pub(super) fn mirror_export(drive: &str) -> String {
+    format!("accel-mirror-{drive}")
+}
+fn mirror_target(drive: &str) -> String {
+    format!("accel-mirror-target-{drive}")
+}
+fn mirror_job(drive: &str) -> String {
+    format!("accel-mirror-{drive}")
+}
+
+/// Longest wait for a copy-storage mirror to be READY (the whole image copied once).
+const MIRROR_READY: std::time::Duration = std::time::Duration::from_secs(600);
+
 impl Supervisor {
     /// Starts a live migration of `vm` to `uri`. The capabilities acceld needs are set first
     /// (events; pause-before-switchover when a drive is on the qemu engine and management does
@@ -56,6 +72,191 @@ impl Supervisor {
         qmp_run(&qmp, &Migrate { uri: uri.into() }).await?;
         info!(vm, uri, "migration started");
         Ok(serde_json::json!({"vm": vm, "uri": uri}))
+    }
+
+    /// Copy-storage, the destination's half: exports the drive's node (on the new image) for
+    /// the source's mirror, on this acceld's NBD socket. Only while QEMU waits `inmigrate`.
+    pub async fn mirror_target_export(
+        &self,
+        vm: &str,
+        drive: &str,
+    ) -> Result<serde_json::Value, SupError> {
+        let vmr = self.vm(vm)?;
+        let d = vmr.drive(drive)?;
+        let qmp = vmr.qmp()?;
+        let st = qmp_run(&qmp, &QueryStatus).await?;
+        if !vmr.incoming || st.status != "inmigrate" {
+            return Err(SupError::Invalid(format!(
+                "VM {vm} is not a waiting migration destination ({}); register it --incoming and start QEMU with -incoming",
+                st.status
+            )));
+        }
+        let sock = vmr.nbd_socket();
+        self.start_nbd_server(&qmp, &sock).await?;
+        let name = mirror_export(d.id());
+        let exports = qmp_run(&qmp, &QueryBlockExports).await?;
+        if !exports.iter().any(|e| e.id == name) {
+            qmp_run(
+                &qmp,
+                &BlockExportAdd::nbd(&name, d.id(), true, Some(&self.cfg.iothread))
+                    .nbd_named(&name),
+            )
+            .await?;
+        }
+        info!(vm, drive, export = %name, "copy-storage: destination node exported for the mirror");
+        Ok(serde_json::json!({"socket": sock, "export": name}))
+    }
+
+    /// Copy-storage, the source's half: mirrors the drive's node into the destination's export
+    /// through QEMU's block layer (the drive must be on the qemu engine: `handback`), writes
+    /// synchronously to both once in sync. Returns when the mirror is READY.
+    pub async fn mirror_to(
+        &self,
+        vm: &str,
+        drive: &str,
+        socket: &std::path::Path,
+        export: &str,
+    ) -> Result<serde_json::Value, SupError> {
+        let vmr = self.vm(vm)?;
+        let d = vmr.drive(drive)?;
+        let qmp = vmr.qmp()?;
+        if d.engine_kind() != EngineKind::Qemu {
+            return Err(SupError::Invalid(format!(
+                "drive {drive} is on the {} engine; copy-storage mirrors through QEMU's block layer (handback first)",
+                d.engine_kind().as_str()
+            )));
+        }
+        let id = d.id().to_string();
+        qmp_run(
+            &qmp,
+            &BlockdevAdd(serde_json::json!({
+                "driver": "nbd", "node-name": mirror_target(&id),
+                "server": {"type": "unix", "path": socket}, "export": export,
+            })),
+        )
+        .await?;
+        let r = qmp_run(
+            &qmp,
+            &BlockdevMirror(serde_json::json!({
+                "job-id": mirror_job(&id), "device": id, "target": mirror_target(&id),
+                "sync": "full", "copy-mode": "write-blocking", "auto-dismiss": true,
+            })),
+        )
+        .await;
+        if let Err(e) = r {
+            let _ = qmp_run(
+                &qmp,
+                &BlockdevDel {
+                    node_name: mirror_target(&id),
+                },
+            )
+            .await;
+            return Err(e);
+        }
+        let t0 = std::time::Instant::now();
+        loop {
+            let jobs = qmp_run(&qmp, &QueryBlockJobs).await?;
+            let Some(j) = jobs.iter().find(|j| j["device"] == mirror_job(&id)) else {
+                return Err(SupError::QemuState(format!(
+                    "keep the mirror job {} (it ended before it was in sync)",
+                    mirror_job(&id)
+                )));
+            };
+            if j["ready"] == true {
+                info!(
+                    vm,
+                    drive,
+                    took_ms = t0.elapsed().as_millis() as u64,
+                    "copy-storage: mirror in sync"
+                );
+                return Ok(serde_json::json!({"job": mirror_job(&id), "ready": true,
+                    "len": j["len"], "took_ms": t0.elapsed().as_millis() as u64}));
+            }
+            if t0.elapsed() > MIRROR_READY {
+                return Err(SupError::QemuState(format!(
+                    "bring mirror {} in sync within {MIRROR_READY:?}",
+                    mirror_job(&id)
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Ends acceld's copy-storage mirrors at the switchover (the VM is stopped): a cancelled
+    /// READY mirror finishes with its target in sync; then its target node goes.
+    async fn finish_mirrors(&self, vm: &Vm, qmp: &Qmp) {
+        for d in vm.drives.values() {
+            let job = mirror_job(d.id());
+            let Ok(jobs) = qmp_run(qmp, &QueryBlockJobs).await else {
+                return;
+            };
+            if !jobs.iter().any(|j| j["device"] == job) {
+                continue;
+            }
+            if let Err(e) = qmp_run(
+                qmp,
+                &BlockJobCancel {
+                    device: job.clone(),
+                },
+            )
+            .await
+            {
+                warn!(vm = %vm.name, job, "cannot finish the mirror: {}", e.chain());
+                continue;
+            }
+            let t0 = std::time::Instant::now();
+            while qmp_run(qmp, &QueryBlockJobs)
+                .await
+                .is_ok_and(|j| j.iter().any(|j| j["device"] == job))
+            {
+                if t0.elapsed() > std::time::Duration::from_secs(60) {
+                    warn!(vm = %vm.name, job, "the mirror did not finish within 60 s");
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            }
+            let _ = qmp_run(
+                qmp,
+                &BlockdevDel {
+                    node_name: mirror_target(d.id()),
+                },
+            )
+            .await;
+            info!(vm = %vm.name, drive = %d.spec.id, "copy-storage: mirror finished in sync");
+        }
+    }
+
+    /// A destination after its incoming migration completed: the copy-storage export goes
+    /// before acceld takes the new image.
+    pub(super) async fn drop_mirror_export(&self, d: &super::drive_state::ManagedDrive, qmp: &Qmp) {
+        let name = mirror_export(d.id());
+        if qmp_run(qmp, &QueryBlockExports)
+            .await
+            .is_ok_and(|e| e.iter().any(|e| e.id == name))
+        {
+            match qmp_run(
+                qmp,
+                &BlockExportDel {
+                    id: name.clone(),
+                    mode: Some("hard".into()),
+                },
+            )
+            .await
+            {
+                Ok(_) => info!(drive = %d.spec.id, "copy-storage: destination export removed"),
+                Err(e) => {
+                    warn!(drive = %d.spec.id, "cannot remove the copy-storage export: {}", e.chain())
+                }
+            }
+            let t0 = std::time::Instant::now();
+            while qmp_run(qmp, &QueryBlockExports)
+                .await
+                .is_ok_and(|e| e.iter().any(|e| e.id == name))
+                && t0.elapsed() < std::time::Duration::from_secs(10)
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            }
+        }
     }
 
     pub async fn migration_status(&self, vm: &str) -> Result<serde_json::Value, SupError> {
@@ -127,6 +328,7 @@ impl Supervisor {
     /// holds those drives, then continues the migration if acceld owns the pause.
     pub(super) async fn pre_switchover(&self, vm: &Arc<Vm>, qmp: &Qmp) {
         let t0 = std::time::Instant::now();
+        self.finish_mirrors(vm, qmp).await;
         let mut n = 0;
         for d in vm.drives.values() {
             let _g = d.op.lock().await;

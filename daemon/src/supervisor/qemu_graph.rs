@@ -133,18 +133,7 @@ impl Supervisor {
             }
             None => id.to_string(),
         };
-        let r = qmp_run(qmp, &NbdServerStart::unix(&nbd_socket.to_string_lossy())).await;
-        match r {
-            Ok(_) => {}
-            // QEMU has one NBD server and refuses a second start with a GenericError. When
-            // the server greets on acceld's own socket (in the private run dir), acceld
-            // started it before (another drive, or before a restart): go on. Anything else
-            // is a failure.
-            Err(SupError::Qmp { ref source, .. })
-                if source.class() == Some("GenericError")
-                    && block_in_place(|| nbd::greets(nbd_socket, Duration::from_secs(2))) => {}
-            Err(e) => return Err(e),
-        }
+        self.start_nbd_server(qmp, nbd_socket).await?;
         qmp_run(
             qmp,
             &BlockExportAdd::nbd(
@@ -157,6 +146,29 @@ impl Supervisor {
         )
         .await?;
         Ok(id.to_string())
+    }
+
+    /// Starts QEMU's NBD server on acceld's socket of the VM, or finds it started.
+    pub(super) async fn start_nbd_server(
+        &self,
+        qmp: &Qmp,
+        nbd_socket: &Path,
+    ) -> Result<(), SupError> {
+        let r = qmp_run(qmp, &NbdServerStart::unix(&nbd_socket.to_string_lossy())).await;
+        match r {
+            Ok(_) => Ok(()),
+            // QEMU has one NBD server and refuses a second start with a GenericError. When
+            // the server greets on acceld's own socket (in the private run dir), acceld
+            // started it before (another drive, or before a restart): go on. Anything else
+            // is a failure.
+            Err(SupError::Qmp { ref source, .. })
+                if source.class() == Some("GenericError")
+                    && block_in_place(|| nbd::greets(nbd_socket, Duration::from_secs(2))) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Removes acceld's export, throttle filter and throttle group of the drive, if present.

@@ -336,9 +336,23 @@ impl Supervisor {
         if !d.has_device() {
             return Ok(());
         }
-        let snap = observe::snapshot(qmp).await?;
-        let view = observe::view(d, &snap);
-        let migrating = policy::migrating(&view.vm);
+        let mut snap = observe::snapshot(qmp).await?;
+        let mut view = observe::view(d, &snap);
+        let mut migrating = policy::migrating(&view.vm);
+        if vm.incoming
+            && !migrating
+            && snap
+                .exports
+                .iter()
+                .any(|e| e.id == super::migration::mirror_export(d.id()))
+        {
+            // A copy-storage destination whose migration ended: the mirror's export goes
+            // before the drive is served from the new image.
+            self.drop_mirror_export(d, qmp).await;
+            snap = observe::snapshot(qmp).await?;
+            view = observe::view(d, &snap);
+            migrating = policy::migrating(&view.vm);
+        }
         let decision = observe::decide(d, &view);
         {
             let mut o = lock(&d.observed);
