@@ -115,6 +115,10 @@ pub struct DriveStatus {
     pub switches: u64,
     pub failed_switches: u64,
     pub last_pause_us: u64,
+    /// The last migration switchover's ring stop on this side (drain, fdatasync, image
+    /// release), in microseconds; 0 if none.
+    #[serde(default)]
+    pub switchover_stop_us: u64,
     pub pauses_to_direct: PauseStats,
     pub pauses_to_qemu: PauseStats,
     pub iops: f64,
@@ -298,6 +302,7 @@ mod tests {
                 ..Default::default()
             },
             writeback: true,
+            switchover_stop_us: 0,
             image_released: false,
             spec: None,
         };

@@ -164,6 +164,8 @@ pub struct Connection {
     /// The connection must close: a request failed that the frontend waits on without a
     /// reply (SET_LOG_BASE), and only a disconnect unblocks it.
     fatal: bool,
+    /// When the switchover's first ring stop began (see `note_switchover_stop`).
+    stop_started: Option<std::time::Instant>,
 }
 
 impl Connection {
@@ -181,12 +183,21 @@ impl Connection {
             inflight: None,
             log: DirtyLog::new(),
             fatal: false,
+            stop_started: None,
         }
     }
 
     /// Whether the server must close this connection now (see `fatal`).
     pub fn must_close(&self) -> bool {
         self.fatal
+    }
+
+    /// A ring stops while the device logs: if every ring was running, the switchover's stop
+    /// starts now (timed until the image is released).
+    fn note_switchover_stop(&mut self) {
+        if self.log_all_acked() && self.vrings.iter().all(|v| v.worker.is_some()) {
+            self.stop_started = Some(std::time::Instant::now());
+        }
     }
 
     fn log_all_acked(&self) -> bool {
@@ -494,6 +505,7 @@ impl VhostUserBackendReqHandlerMut for Connection {
 
     fn get_vring_base(&mut self, index: u32) -> VuResult<VhostUserVringState> {
         self.vring(index)?;
+        self.note_switchover_stop();
         // Completes every popped request before answering (see the module doc).
         self.stop_queue(index as usize);
         // The last queue stopping while the device logs is a migration's switchover: the
@@ -501,6 +513,12 @@ impl VhostUserBackendReqHandlerMut for Connection {
         // the image is flushed and its locks released first.
         if self.log_all_acked() && self.vrings.iter().all(|v| v.worker.is_none()) {
             self.drive.hand_off_image();
+            if let Some(t0) = self.stop_started.take() {
+                self.drive
+                    .stats
+                    .switchover_stop_us
+                    .store(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+            }
         }
         let v = &mut self.vrings[index as usize];
         let base = v.base;
@@ -563,6 +581,9 @@ impl VhostUserBackendReqHandlerMut for Connection {
     fn set_vring_enable(&mut self, index: u32, enable: bool) -> VuResult<()> {
         self.vring(index)?;
         let i = index as usize;
+        if !enable {
+            self.note_switchover_stop();
+        }
         if enable {
             self.vrings[i].enabled = true;
             self.maybe_start(i)

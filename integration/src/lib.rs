@@ -11,6 +11,8 @@ use anyhow::{anyhow, bail, Context, Result};
 
 pub mod capture;
 pub mod compare;
+pub mod migration;
+pub mod migration_bench;
 pub mod supervised;
 
 /// The integration crate's folder.

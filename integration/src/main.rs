@@ -35,6 +35,8 @@ enum Cmd {
     },
     /// Benchmark: fio bare metal vs qemu-storage-daemon vs acceld on one file (release build).
     Compare(accel_integration::compare::CompareOpts),
+    /// Benchmark: live migrations between two acceld vs two qemu-storage-daemon exports.
+    MigrationBench(accel_integration::migration_bench::MigBenchOpts),
 }
 
 fn main() -> ExitCode {
@@ -43,6 +45,7 @@ fn main() -> ExitCode {
         Cmd::Demo { dir, writers } => demo(dir, writers),
         Cmd::Capture { out } => accel_integration::capture::capture(&out),
         Cmd::Compare(o) => accel_integration::compare::compare(&o),
+        Cmd::MigrationBench(o) => accel_integration::migration_bench::migration_bench(&o),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,10 +2,11 @@
 //! (two hosts sharing storage), a guest doing verified writes from 32 writers through round
 //! trips of plain QMP `migrate`, the drive on the direct engine throughout.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use accel_integration::supervised::{writer_script, AcceldRun, SideQmp};
+use accel_integration::migration::{has_open, holds_lock, migrate, Instance};
+use accel_integration::supervised::{writer_script, AcceldRun};
 use accel_integration::{guest_value, host_md5, Guest};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
@@ -27,11 +28,12 @@ struct Side {
     acc: AcceldRun,
 }
 
-/// A running QEMU of the VM: the guest process, its side monitor.
-struct Instance {
-    guest: Guest,
-    side: SideQmp,
-    side_path: PathBuf,
+fn boot(acc: &AcceldRun, side: &Path, extra: &[String], script: &str) -> Result<Instance> {
+    Instance::boot_registered(acc, "vm1", side, extra, script)
+}
+
+fn status_of(i: &Instance) -> Result<String> {
+    i.status()
 }
 
 fn register(acc: &AcceldRun, qmp: &Path, drive: &str, incoming: bool) -> Result<()> {
@@ -50,108 +52,6 @@ fn register(acc: &AcceldRun, qmp: &Path, drive: &str, incoming: bool) -> Result<
     }
     acc.ctl_ok(&args)?;
     Ok(())
-}
-
-fn boot(acc: &AcceldRun, side: &Path, extra: &[String], script: &str) -> Result<Instance> {
-    let contract: Vec<String> = acc
-        .ctl_ok(&["qemu-args", "--vm", "vm1", "--memory", "256M"])?
-        .lines()
-        .map(String::from)
-        .collect();
-    let mut x = vec![
-        "-qmp".to_string(),
-        format!("unix:{},server=on,wait=off", side.display()),
-    ];
-    x.extend_from_slice(extra);
-    let guest = Guest::boot_contract(&contract, &x, script)?;
-    let side_qmp = SideQmp::connect(side)?;
-    Ok(Instance {
-        guest,
-        side: side_qmp,
-        side_path: side.to_path_buf(),
-    })
-}
-
-fn status_of(i: &Instance) -> Result<String> {
-    Ok(i.side.cmd("query-status", Value::Null)?["status"]
-        .as_str()
-        .unwrap_or("")
-        .to_string())
-}
-
-fn wait_status(i: &Instance, want: &str, timeout: Duration) -> Result<Duration> {
-    let t0 = Instant::now();
-    loop {
-        let s = status_of(i)?;
-        if s == want {
-            return Ok(t0.elapsed());
-        }
-        if t0.elapsed() > timeout {
-            bail!("QEMU is {s}, not {want}, after {timeout:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Whether process `pid` has the image open with a lock on it (QEMU-style OFD locks show in
-/// the fd's fdinfo).
-fn holds_lock(pid: u32, image: &Path) -> bool {
-    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return false;
-    };
-    fds.flatten().any(|fd| {
-        std::fs::read_link(fd.path()).is_ok_and(|t| t == image)
-            && std::fs::read_to_string(format!(
-                "/proc/{pid}/fdinfo/{}",
-                fd.file_name().to_string_lossy()
-            ))
-            .is_ok_and(|i| i.contains("lock:"))
-    })
-}
-
-fn has_open(pid: u32, image: &Path) -> bool {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| {
-            d.flatten()
-                .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == image))
-        })
-        .unwrap_or(false)
-}
-
-struct Migrated {
-    total_ms: u64,
-    downtime_ms: u64,
-    /// From the source's `completed` to the destination running.
-    to_running: Duration,
-}
-
-/// Migrates with a plain QMP `migrate` on the source's monitor, as any management tool would.
-fn migrate(src: &Instance, dst: &Instance, uri: &str) -> Result<Migrated> {
-    src.side.cmd(
-        "migrate-set-capabilities",
-        json!({"capabilities": [{"capability": "events", "state": true}]}),
-    )?;
-    src.side.cmd("migrate", json!({ "uri": uri }))?;
-    let t0 = Instant::now();
-    let info = loop {
-        let m = src.side.cmd("query-migrate", Value::Null)?;
-        match m["status"].as_str().unwrap_or("") {
-            "completed" => break m,
-            s @ ("failed" | "cancelled") => bail!("migration {s}: {m}"),
-            _ => {}
-        }
-        if t0.elapsed() > Duration::from_secs(90) {
-            bail!("migration not completed after 90 s: {m}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let tc = Instant::now();
-    wait_status(dst, "running", Duration::from_secs(30))?;
-    Ok(Migrated {
-        total_ms: info["total-time"].as_u64().unwrap_or(0),
-        downtime_ms: info["downtime"].as_u64().unwrap_or(0),
-        to_running: tc.elapsed(),
-    })
 }
 
 /// Three round trips (six migrations) of a guest writing and verifying through each; 0 guest

@@ -27,6 +27,9 @@ pub struct DriveStats {
     pub bounced: AtomicU64,
     pub switches: AtomicU64,
     pub last_pause_us: AtomicU64,
+    /// The last migration switchover's stop of the drive's last ring, as the source saw it:
+    /// drain, fdatasync and image release, until the GET_VRING_BASE reply (microseconds).
+    pub switchover_stop_us: AtomicU64,
     /// Completion latency of every request, from pop to used ring.
     pub latency: LatencyHistogram,
     /// Accounting per request class, in QEMU's blockstats terms.

@@ -38,6 +38,8 @@ pub enum PauseOwner {
     Acceld(bool),
     /// It was on before acceld looked: management continues the migration.
     Management,
+    /// A restarted acceld had turned it on before: if it is still on, it is acceld's.
+    Restored,
 }
 
 const PAUSE: &str = "pause-before-switchover";
@@ -295,9 +297,14 @@ impl Supervisor {
             PauseOwner::Management => return Ok(()),
             PauseOwner::Acceld(on) if on == any_qemu => return Ok(()),
             PauseOwner::Acceld(_) => any_qemu,
-            PauseOwner::Unknown => {
+            PauseOwner::Unknown | PauseOwner::Restored => {
                 let caps = qmp_run(qmp, &QueryMigrateCapabilities).await?;
-                if caps.iter().any(|c| c.capability == PAUSE && c.state) {
+                let on = caps.iter().any(|c| c.capability == PAUSE && c.state);
+                if on && owner == PauseOwner::Restored {
+                    *lock(&vm.pause_owner) = PauseOwner::Acceld(true);
+                    return Ok(());
+                }
+                if on {
                     *lock(&vm.pause_owner) = PauseOwner::Management;
                     qmp_run(qmp, &MigrateSetCapabilities::one("events", true)).await?;
                     return Ok(());

@@ -43,6 +43,9 @@ pub struct SavedVm {
     pub cont: bool,
     #[serde(default)]
     pub incoming: bool,
+    /// acceld turned QEMU's pause-before-switchover on (so it is acceld's to continue).
+    #[serde(default)]
+    pub pause_owned: bool,
     pub drives: Vec<SavedDrive>,
 }
 

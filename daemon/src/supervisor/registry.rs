@@ -53,8 +53,12 @@ impl Supervisor {
         let n = st.vms.len();
         for vm in st.vms {
             let name = vm.name.clone();
-            if let Err(e) = self.register_inner(vm.name, vm.qmp, vm.cont, vm.incoming, vm.drives) {
-                warn!(vm = %name, "cannot restore: {}", e.chain());
+            match self.register_inner(vm.name, vm.qmp, vm.cont, vm.incoming, vm.drives) {
+                Ok(v) if vm.pause_owned => {
+                    *lock(&v.pause_owner) = super::migration::PauseOwner::Restored;
+                }
+                Ok(_) => {}
+                Err(e) => warn!(vm = %name, "cannot restore: {}", e.chain()),
             }
         }
         Ok(n)

@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use qmp_client::commands::{
-    Cont, ObjectAdd, QomGet, QomList, QueryChardev, QueryMigrate, QueryStatus,
+    Cont, MigrateSetCapabilities, ObjectAdd, QomGet, QomList, QueryChardev, QueryMigrate,
+    QueryStatus,
 };
 use qmp_client::Qmp;
 use tracing::{debug, info, warn};
@@ -104,6 +105,7 @@ impl Vm {
             qmp: self.qmp_path.clone(),
             cont: self.cont,
             incoming: self.incoming,
+            pause_owned: *lock(&self.pause_owner) == super::migration::PauseOwner::Acceld(true),
             drives: self
                 .drives
                 .values()
@@ -211,6 +213,14 @@ impl Supervisor {
         qmp.set_timeout(Duration::from_millis(self.cfg.qmp_timeout_ms));
         find_devices(vm, &qmp).await?;
         self.ensure_iothread(&qmp).await?;
+        if vm.incoming {
+            // The MIGRATION event "completed" is when the destination takes its drives; QEMU
+            // sends migration events only with this capability. Refused once the incoming
+            // migration runs (then the poll tick notices the end).
+            if let Err(e) = qmp_run(&qmp, &MigrateSetCapabilities::one("events", true)).await {
+                debug!(vm = %vm.name, "migration events not enabled: {}", e.chain());
+            }
+        }
         vm.set_qmp(Some(qmp.clone()));
         info!(vm = %vm.name, "attached");
         self.reconcile_vm(vm, true).await;
@@ -247,8 +257,11 @@ impl Supervisor {
                             self.pre_switchover(vm, &qmp).await;
                         }
                         if relevant(&ev.name) {
-                            // Let a burst of events settle, then look once.
-                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            // Let a burst of events settle, then look once. Not after a
+                            // migration's end: the guest waits for its drives then.
+                            if ev.name != "MIGRATION" || ev.data["status"] != "completed" {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
                             let mut pre = false;
                             while let Ok(e) = events.try_recv() {
                                 pre |= pre_switchover(&e);
@@ -352,6 +365,17 @@ impl Supervisor {
             snap = observe::snapshot(qmp).await?;
             view = observe::view(d, &snap);
             migrating = policy::migrating(&view.vm);
+        }
+        if vm.incoming
+            && view.vm.run_state == "paused"
+            && view.vm.migration.as_deref() == Some("completed")
+        {
+            // A completed incoming migration waiting for `cont`: QEMU keeps the nodes
+            // inactive until then, but the source gave the image up, so the policy judges
+            // them as they will be (otherwise the drive would go to the qemu engine first).
+            for n in view.node.iter_mut().chain(view.protocol.iter_mut()) {
+                n.active = true;
+            }
         }
         let decision = observe::decide(d, &view);
         {
