@@ -15,6 +15,13 @@ const CONFIG: &str = "quiet-period-ms = 300\npoll-interval-ms = 200\n";
 const WORKERS: u32 = 32;
 const BLOCKS: u32 = 64;
 
+/// Each test runs two QEMUs and two accelds: one test at a time keeps the 2-core machine's
+/// TCG guests responsive (the tests of this file take about 2 minutes in a row).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static M: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    M.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn workdir(tag: &str) -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix(&format!("accel-{tag}"))
@@ -58,6 +65,7 @@ fn register(acc: &AcceldRun, qmp: &Path, drive: &str, incoming: bool) -> Result<
 /// errors, the host's md5 equals the guest's, and only the running side holds the image.
 #[test]
 fn direct_drive_migrates_round_trips_under_guest_writes() -> Result<()> {
+    let _one = one_at_a_time();
     let dir = workdir("mig");
     let img = dir.path().join("d0.raw");
     std::fs::File::create(&img)?.set_len(64 << 20)?;
@@ -225,6 +233,7 @@ fn verify_guest(i: &mut Instance, img: &Path) -> Result<String> {
 /// QEMU can inactivate the node, continues; the destination takes the same limits.
 #[test]
 fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
+    let _one = one_at_a_time();
     let dir = workdir("mig-thr");
     let img = dir.path().join("d0.raw");
     std::fs::File::create(&img)?.set_len(64 << 20)?;
@@ -265,6 +274,7 @@ fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
 /// destination QEMU exits, the guest verifies.
 #[test]
 fn cancelled_migration_leaves_the_source_running() -> Result<()> {
+    let _one = one_at_a_time();
     let dir = workdir("mig-cancel");
     let img = dir.path().join("d0.raw");
     std::fs::File::create(&img)?.set_len(64 << 20)?;
@@ -321,6 +331,7 @@ fn cancelled_migration_leaves_the_source_running() -> Result<()> {
 /// affected.
 #[test]
 fn no_destination_acceld_means_no_destination() -> Result<()> {
+    let _one = one_at_a_time();
     let dir = workdir("mig-nodst");
     let img = dir.path().join("d0.raw");
     std::fs::File::create(&img)?.set_len(64 << 20)?;
@@ -450,6 +461,7 @@ fn accelctl_migrate(
 /// image holds what it wrote.
 #[test]
 fn copy_storage_to_a_blank_image() -> Result<()> {
+    let _one = one_at_a_time();
     let dir = workdir("mig-copy");
     let img = dir.path().join("d0.raw");
     std::fs::File::create(&img)?.set_len(64 << 20)?;
