@@ -19,7 +19,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// The product's story: acceld run, a registered VM (TCG) writing and verifying, the disk
-    /// direct, throttled on QEMU's block layer, and direct again.
+    /// direct, throttled on QEMU's block layer, direct again, and live-migrated to a second
+    /// acceld.
     Demo {
         /// Where to put the image, sockets and logs (default: a new temp dir).
         #[arg(long)]
@@ -75,7 +76,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     std::fs::File::create(&image)?.set_len(size)?;
     let run = dir.join("run");
     println!(
-        "[1/7] raw image {} ({} MiB); acceld run --run-dir {}",
+        "[1/8] raw image {} ({} MiB); acceld run --run-dir {}",
         image.display(),
         size >> 20,
         run.display()
@@ -98,7 +99,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
         "--cont",
     ])?;
     println!(
-        "[2/7] accelctl register --vm demo --qmp {} --drive {drive} --cont",
+        "[2/8] accelctl register --vm demo --qmp {} --drive {drive} --cont",
         qmp.display()
     );
     println!("      accelctl qemu-args --vm demo (the VM contract QEMU runs with):");
@@ -118,7 +119,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     )?;
     g.wait_for("READY", Duration::from_secs(180))?;
     println!(
-        "[3/7] guest (QEMU 10, TCG) up in {:.1} s: {writers} writers write random 4 KiB blocks and verify them",
+        "[3/8] guest (QEMU 10, TCG) up in {:.1} s: {writers} writers write random 4 KiB blocks and verify them",
         t0.elapsed().as_secs_f64()
     );
     std::thread::sleep(Duration::from_secs(2));
@@ -129,7 +130,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     acc.ctl_ok(&["throttle", "demo", "disk0", "--iops-total", "60"])?;
     acc.wait_engine("demo", "disk0", "qemu", Duration::from_secs(10))?;
     println!(
-        "[4/7] accelctl throttle demo disk0 --iops-total 60: on QEMU's block layer in {} ms",
+        "[4/8] accelctl throttle demo disk0 --iops-total 60: on QEMU's block layer in {} ms",
         t1.elapsed().as_millis()
     );
     std::thread::sleep(Duration::from_secs(3));
@@ -149,7 +150,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     acc.ctl_ok(&["throttle", "demo", "disk0", "--clear"])?;
     acc.wait_engine("demo", "disk0", "direct", Duration::from_secs(20))?;
     println!(
-        "[5/7] accelctl throttle demo disk0 --clear: direct again after the quiet period, in {} ms",
+        "[5/8] accelctl throttle demo disk0 --clear: direct again after the quiet period, in {} ms",
         t2.elapsed().as_millis()
     );
     std::thread::sleep(Duration::from_secs(2));
@@ -157,13 +158,78 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     let filters = t.throttle_filters()?;
     println!("      QEMU's graph: throttle filters {filters:?}; drive node removed while direct");
 
+    // Live migration to a second acceld (another host sharing the storage, here another run
+    // dir): accelctl registers the VM there, the destination QEMU waits with -incoming.
+    let run_b = dir.join("run-b");
+    let mut acc_b = AcceldRun::start(&run_b, "quiet-period-ms = 1000\npoll-interval-ms = 250\n")?;
+    let mig = dir.join("mig.sock");
+    let uri = format!("unix:{}", mig.display());
+    let qmp_b = dir.join("qmp-b.sock");
+    let accelctl = accel_integration::supervised::accelctl_bin()?;
+    let (run_a, rb, u, qb) = (run, run_b.clone(), uri.clone(), qmp_b);
+    let t3 = Instant::now();
+    let migrate = std::thread::spawn(move || {
+        std::process::Command::new(accelctl)
+            .arg("--run-dir")
+            .arg(run_a)
+            .args(["migrate", "demo", "--to"])
+            .arg(rb)
+            .arg("--dest-qmp")
+            .arg(qb)
+            .args(["--uri", &u])
+            .output()
+    });
+    while acc_b.drive("demo", "disk0").is_err() {
+        if t3.elapsed() > Duration::from_secs(30) {
+            bail!("accelctl migrate did not register the destination");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The destination QEMU: the contract from the destination acceld, waiting for the state.
+    let contract: Vec<String> = acc_b
+        .ctl_ok(&["qemu-args", "--vm", "demo", "--memory", "256M"])?
+        .lines()
+        .map(String::from)
+        .collect();
+    let g2 = accel_integration::Guest::boot_contract(
+        &contract,
+        &["-incoming".to_string(), uri.clone()],
+        &writer_script("/dev/vda", writers, 64),
+    );
+    let out = migrate
+        .join()
+        .map_err(|_| anyhow::anyhow!("accelctl thread"))??;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    if !out.status.success() {
+        bail!(
+            "accelctl migrate failed: {text}\nacceld logs: {} {}",
+            acc.log.display(),
+            acc_b.log.display()
+        );
+    }
+    println!(
+        "[6/8] accelctl migrate demo --to {} --dest-qmp … --uri {uri}: in {:.1} s",
+        run_b.display(),
+        t3.elapsed().as_secs_f64()
+    );
+    print!("{}", indent(text.trim_end()));
+    println!();
+    acc_b.wait_engine("demo", "disk0", "direct", Duration::from_secs(10))?;
+    let _ = g.wait_exit(Duration::from_secs(30))?;
+    print!("{}", indent(&acc_b.ctl_ok(&["status"])?));
+    let mut g = g2?;
+    g.wait_for("progress=", Duration::from_secs(60))?;
     g.send_line("STOP")?;
     let out = g.wait_exit(Duration::from_secs(300))?;
     let iters = guest_value(&out, "iterations")?;
     let errors = guest_value(&out, "errors")?;
     let kerr = guest_value(&out, "kernel_errors")?;
     let md5 = guest_value(&out, "md5")?;
-    println!("[6/7] guest verdict: {iters} write+read-back iterations, errors={errors}, kernel I/O errors={kerr}");
+    println!("[7/8] guest verdict (on the destination): {iters} write+read-back iterations, errors={errors}, kernel I/O errors={kerr}");
     let host = host_md5(&image, u64::from(writers) * 64 * 4096)?;
     println!(
         "      host md5 of the written region {host} ({} the guest's)",
@@ -174,15 +240,19 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
         }
     );
     let st = acc.terminate()?;
-    println!("[7/7] the VM exited; acceld stopped with SIGTERM: {st}");
-    let pass = out.iter().any(|l| l.contains("RESULT: PASS")) && host == md5 && st.success();
+    let st_b = acc_b.terminate()?;
+    println!("[8/8] the VM exited; both accelds stopped with SIGTERM: {st}, {st_b}");
+    let pass = out.iter().any(|l| l.contains("RESULT: PASS"))
+        && host == md5
+        && st.success()
+        && st_b.success();
     if !pass {
         bail!(
             "the guest or the host saw wrong data; acceld log: {}",
             acc.log.display()
         );
     }
-    println!("RESULT: PASS — one guest disk, served directly, handed to QEMU's throttle and taken back, under a guest that verified every block");
+    println!("RESULT: PASS — one guest disk, served directly, handed to QEMU's throttle and taken back, live-migrated to another acceld, under a guest that verified every block");
     Ok(())
 }
 

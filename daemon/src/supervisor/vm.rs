@@ -291,6 +291,9 @@ impl Supervisor {
     /// drive has an engine.
     pub(super) async fn reconcile_vm(&self, vm: &Arc<Vm>, urgent: bool) {
         let Ok(qmp) = vm.qmp() else { return };
+        if vm.incoming && vm.cont && !vm.continued.load(Ordering::Relaxed) {
+            self.cont_after_incoming(vm, &qmp).await;
+        }
         for d in vm.drives.values() {
             if let Err(e) = self.reconcile(vm, d, &qmp, urgent).await {
                 let msg = e.chain();
@@ -335,6 +338,28 @@ impl Supervisor {
             }
         }
         self.save();
+    }
+
+    /// A completed incoming migration waits `paused` (the VM contract's -S): `cont` at once,
+    /// before the drives are taken. The guest's CPUs run again as early as with QEMU's own
+    /// backend; its disk requests wait in the vrings (held) for the few ms the take-over
+    /// needs. QEMU activates the nodes at `cont`; parentless, they take no image locks.
+    async fn cont_after_incoming(&self, vm: &Arc<Vm>, qmp: &Qmp) {
+        let Ok(st) = qmp_run(qmp, &QueryStatus).await else {
+            return;
+        };
+        if st.status != "paused" {
+            return;
+        }
+        let done = qmp_run(qmp, &QueryMigrate)
+            .await
+            .is_ok_and(|m| m["status"] == "completed");
+        if done && !vm.continued.swap(true, Ordering::Relaxed) {
+            match qmp_run(qmp, &Cont).await {
+                Ok(_) => info!(vm = %vm.name, "incoming migration completed: cont"),
+                Err(e) => warn!(vm = %vm.name, "cont failed: {}", e.chain()),
+            }
+        }
     }
 
     /// Looks at one drive: observe QEMU, decide, plan, execute.
