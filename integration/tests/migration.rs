@@ -194,13 +194,24 @@ fn direct_drive_migrates_round_trips_under_guest_writes() -> Result<()> {
 
 /// Boots vm1 on `acc` with the writer guest, waits until it writes on the direct engine.
 fn writer_on(acc: &AcceldRun, dir: &Path, tag: &str, drive: &str) -> Result<Instance> {
+    writer_on_with(acc, dir, tag, drive, "")
+}
+
+/// Like [`writer_on`], the guest running `first` (shell) before its writers.
+fn writer_on_with(
+    acc: &AcceldRun,
+    dir: &Path,
+    tag: &str,
+    drive: &str,
+    first: &str,
+) -> Result<Instance> {
     let qmp = dir.join(format!("qmp-{tag}.sock"));
     register(acc, &qmp, drive, false)?;
     let mut i = boot(
         acc,
         &dir.join(format!("side-{tag}.sock")),
         &[],
-        &writer_script("/dev/vda", WORKERS, BLOCKS),
+        &format!("{first}{}", writer_script("/dev/vda", WORKERS, BLOCKS)),
     )?;
     i.guest
         .wait_for("READY", Duration::from_secs(120))
@@ -240,7 +251,20 @@ fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
     let drive = format!("id=d0,image={},queues=2", img.display());
     let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
     let b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
-    let mut src = writer_on(&a, dir.path(), "a", &drive)?;
+    // The guest turns its write cache off (CONFIG_WCE): runtime state the destination must
+    // show it too, since QEMU takes the config from the destination backend.
+    let mut src = writer_on_with(
+        &a,
+        dir.path(),
+        "a",
+        &drive,
+        "echo 'write through' > /sys/block/vda/cache_type\necho cache=$(cat /sys/block/vda/cache_type)\n",
+    )?;
+    assert_eq!(
+        a.drive("vm1", "d0")?["writeback"],
+        false,
+        "the guest set write-through"
+    );
     a.ctl_ok(&["throttle", "vm1", "d0", "--iops-total", "3000"])?;
     a.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
     src.guest.wait_for("progress=", Duration::from_secs(60))?;
@@ -250,6 +274,10 @@ fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
     assert!(text.contains("migrated: total"), "{text}");
     let d = b.drive("vm1", "d0")?;
     assert_eq!(d["throttle"]["iops-total"], 3000, "limits handed over: {d}");
+    assert_eq!(
+        d["writeback"], false,
+        "the write cache bit handed over: {d}"
+    );
     // The source quit; the destination serves the drive on its qemu engine with the limits.
     src.guest.wait_exit(Duration::from_secs(30))?;
     b.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
