@@ -319,7 +319,7 @@ pub fn vhost_user(data: &[u8]) {
     while !i.done() && steps < 64 {
         steps += 1;
         let q = u32::from(i.u8() % 3);
-        match i.u8() % 26 {
+        match i.u8() % 27 {
             0 => drop(c.set_owner()),
             1 => drop(c.reset_owner()),
             2 => drop(c.reset_device()),
@@ -412,6 +412,24 @@ pub fn vhost_user(data: &[u8]) {
                     let f = unsafe { File::from_raw_fd(fd) };
                     if f.set_len(len).is_ok() {
                         drop(c.set_inflight_fd(&info, f));
+                    }
+                }
+            }
+            25 => {
+                // A dirty log of any claimed shape over a file of any size (marks go to it
+                // once LOG_ALL is acked, from every completion and used ring).
+                let log = vhost::vhost_user::message::VhostUserLog {
+                    mmap_size: u64::from(i.u32()),
+                    mmap_offset: u64::from(i.u16()),
+                };
+                let len = u64::from(i.u16()) * 8;
+                // SAFETY: memfd_create with a valid NUL-terminated name.
+                let fd = unsafe { libc::memfd_create(c"fuzz-log".as_ptr(), 0) };
+                if fd >= 0 {
+                    // SAFETY: fd is a new descriptor nothing else owns.
+                    let f = unsafe { File::from_raw_fd(fd) };
+                    if f.set_len(len).is_ok() {
+                        drop(c.set_log_base(&log, f));
                     }
                 }
             }

@@ -136,6 +136,10 @@ fn direct_drive_migrates_round_trips_under_guest_writes() -> Result<()> {
             sd["image_released"], true,
             "source released the image: {sd}"
         );
+        assert_eq!(
+            sd["engine"], "held",
+            "nothing serves the drive on the source: {sd}"
+        );
         assert!(
             !has_open(src_acc.pid(), &img),
             "the source acceld still has the image open"

@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime};
 
-use accel_api::status::{DriveStatus, PauseStats, PinKind, Status, VmStatus};
+use accel_api::status::{DriveStatus, EngineKind, PauseStats, PinKind, Status, VmStatus};
 use policy::Pin;
 
 use super::drive_state::ManagedDrive;
@@ -33,7 +33,13 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
             .duration_since(SystemTime::UNIX_EPOCH)
             .map(|t| t.as_secs())
             .unwrap_or(0);
-        (p.engine, since)
+        // A migration's switchover gave the image to the destination: nothing serves it here.
+        let engine = if d.drive.image_handed_off() {
+            EngineKind::Held
+        } else {
+            p.engine
+        };
+        (engine, since)
     };
     let (reasons, reason_sentences) = {
         let o = lock(&d.observed);
