@@ -1,7 +1,8 @@
 #!/bin/bash
 # Installs what accel's demo and tests need on a fresh Debian 12 machine (run as root):
 # QEMU 10 from bookworm-backports (reusing the mirror the machine already uses), busybox-static,
-# cpio and xz for the tiny guest, fio for benchmarks, g++ for libFuzzer (fuzz/). Idempotent.
+# cpio and xz for the tiny guest, fio for benchmarks, g++ for libFuzzer (fuzz/), and a Python
+# venv with QEMU's own QMP client (qemu.qmp, for the QMP proxy tests). Idempotent.
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then
   echo "setup.sh: run as root (it installs Debian packages)" >&2
@@ -23,6 +24,11 @@ fi
 if ! qemu-system-x86_64 --version 2>/dev/null | grep -q 'version 10'; then
   apt-get install -y -q -t bookworm-backports qemu-system-x86 qemu-utils
 fi
-apt-get install -y -q busybox-static cpio xz-utils fio g++ >/dev/null
+apt-get install -y -q busybox-static cpio xz-utils fio g++ python3-venv >/dev/null
+venv="$(dirname "$0")/.venv"
+if ! "$venv/bin/python3" -c 'import qemu.qmp' 2>/dev/null; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q 'qemu.qmp==0.0.6'
+fi
 qemu-system-x86_64 --version | head -1
 qemu-storage-daemon --version | head -1

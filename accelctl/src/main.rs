@@ -357,6 +357,11 @@ fn run(cli: &Cli) -> Result<(), Fail> {
                 .flatten()
                 .filter_map(|a| a.as_str().map(String::from))
                 .collect();
+            // Management talks to the QMP proxy, not to QEMU's monitor (which acceld holds).
+            eprintln!(
+                "management's QMP monitor: {} (acceld's proxy)",
+                cli.run_dir.join(vm).join("monitor.sock").display()
+            );
             if *shell {
                 let q: Vec<String> = args.iter().map(|a| shell_quote(a)).collect();
                 println!("{}", q.join(" "));
@@ -680,6 +685,9 @@ fn status_table(st: &Status) -> String {
         if !vm.attached {
             let why = vm.attach_error.as_deref().unwrap_or("attaching");
             notes.push(format!("{}: not attached: {why}", vm.vm));
+        }
+        if let Some(m) = &vm.monitor {
+            notes.push(format!("{}: management's QMP: {}", vm.vm, m.display()));
         }
         for d in &vm.drives {
             rows.push(vec![

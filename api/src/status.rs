@@ -163,6 +163,9 @@ pub struct DriveStatus {
     /// The drive as registered (for a migration's destination).
     #[serde(default)]
     pub spec: Option<crate::control::DriveSpec>,
+    /// Bytes the guest sees.
+    #[serde(default)]
+    pub capacity_bytes: u64,
 }
 
 /// One VM.
@@ -181,6 +184,9 @@ pub struct VmStatus {
     /// QEMU's migration status as last seen (`active`, `completed`, …), if any.
     #[serde(default)]
     pub migration: Option<String>,
+    /// The QMP proxy socket management connects to instead of QEMU's monitor.
+    #[serde(default)]
+    pub monitor: Option<PathBuf>,
 }
 
 /// The reply of `{"op":"status"}`.
@@ -305,6 +311,7 @@ mod tests {
             switchover_stop_us: 0,
             image_released: false,
             spec: None,
+            capacity_bytes: 0,
         };
         let s = Status {
             vms: vec![VmStatus {
@@ -316,6 +323,7 @@ mod tests {
                 drives: vec![d],
                 incoming: false,
                 migration: None,
+                monitor: None,
             }],
         };
         let j = serde_json::to_value(&s).unwrap();

@@ -14,6 +14,7 @@
 pub mod drive;
 pub mod engine;
 pub mod guest_mem;
+pub mod qmp_proxy;
 pub mod queue;
 pub mod run;
 pub mod serve;

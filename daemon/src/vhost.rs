@@ -423,11 +423,10 @@ impl VhostUserBackendReqHandlerMut for Connection {
         }
         self.log.set_log_all(log_all);
         self.acked_features = features;
-        if features & (1 << virtio_blk::F_FLUSH) == 0 {
-            // A driver that cannot flush gets write-through (virtio 1.2, 5.2.6.1); one that
-            // can keeps the cache mode it last chose.
-            self.drive.set_writeback(false);
-        }
+        self.drive.features_acked(
+            features & (1 << virtio_blk::F_FLUSH) != 0,
+            features & (1 << virtio_blk::F_CONFIG_WCE) != 0,
+        );
         // Without PROTOCOL_FEATURES, rings start enabled (vhost-user spec, "Ring states").
         let enabled = features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0;
         for i in 0..self.vrings.len() {

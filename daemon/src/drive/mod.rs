@@ -128,6 +128,8 @@ pub struct Drive {
     /// durable. Off when the driver did not negotiate FLUSH (it could not flush), or when it
     /// writes 0 (CONFIG_WCE); then every write is write-through (RWF_DSYNC / NBD FUA).
     writeback: AtomicBool,
+    /// Whether the last driver session negotiated CONFIG_WCE (0 none yet, 1 no, 2 yes).
+    session_wce: std::sync::atomic::AtomicU8,
     /// A migration's switchover released the image (flushed, unlocked, closed): how to open
     /// it again if the migration does not complete.
     handed_off: Mutex<Option<FileEngineConfig>>,
@@ -149,6 +151,7 @@ impl Drive {
             attach_lock: Mutex::new(()),
             running: Mutex::new(Vec::new()),
             writeback: AtomicBool::new(writeback),
+            session_wce: std::sync::atomic::AtomicU8::new(0),
             handed_off: Mutex::new(None),
             stats: DriveStats::default(),
             drain_timeout: Duration::from_secs(30),
@@ -169,6 +172,22 @@ impl Drive {
 
     pub fn set_writeback(&self, on: bool) {
         self.writeback.store(on, Ordering::Relaxed);
+    }
+
+    /// A driver acked its features: the cache mode follows QEMU's virtio-blk. Without
+    /// CONFIG_WCE the write cache is what FLUSH says (virtio 1.2, 5.2.6.1: a driver that cannot
+    /// flush gets write-through); with it, the mode the driver last chose stays, except after a
+    /// session without CONFIG_WCE (firmware before the OS, as SeaBIOS), which QEMU's reset
+    /// undoes: the default comes back.
+    pub fn features_acked(&self, flush: bool, config_wce: bool) {
+        let prev = self
+            .session_wce
+            .swap(if config_wce { 2 } else { 1 }, Ordering::Relaxed);
+        if !config_wce {
+            self.set_writeback(flush && !self.cfg.read_only);
+        } else if prev == 1 {
+            self.set_writeback(!self.cfg.read_only);
+        }
     }
 
     /// Retries every held request of the drive now (werror=enospc or stop; they are also

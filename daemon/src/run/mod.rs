@@ -124,6 +124,19 @@ async fn run_async(cfg: Config) -> Result<(), RunError> {
     let metrics_addr = cfg.metrics_addr;
     let shutdown_timeout_ms = cfg.shutdown_timeout_ms;
     let sup = Supervisor::new(cfg);
+    // Every registered VM gets its QMP proxy socket (RUN_DIR/VM/monitor.sock).
+    {
+        let s = sup.clone();
+        let rt = tokio::runtime::Handle::current();
+        sup.on_register(Box::new(move |vm: &str| {
+            let (s, vm) = (s.clone(), vm.to_string());
+            rt.spawn(async move {
+                if let Err(e) = crate::qmp_proxy::serve(s, vm.clone()).await {
+                    warn!(vm = %vm, "QMP proxy: {}", crate::error_chain(&e));
+                }
+            });
+        }));
+    }
     let restored = sup.restore()?;
     info!(control = %ctl_path.display(), restored, "acceld running");
 

@@ -204,7 +204,10 @@ pub struct Supervisor {
     save_lock: Mutex<()>,
     /// Set when acceld stops: VM tasks end without touching QEMU.
     stopping: AtomicBool,
+    register_hook: Mutex<Option<RegisterHook>>,
 }
+
+type RegisterHook = Box<dyn Fn(&str) + Send + Sync>;
 
 impl Supervisor {
     pub fn new(cfg: Config) -> Arc<Self> {
@@ -213,6 +216,7 @@ impl Supervisor {
             vms: Mutex::new(BTreeMap::new()),
             save_lock: Mutex::new(()),
             stopping: AtomicBool::new(false),
+            register_hook: Mutex::new(None),
         })
     }
 
@@ -225,6 +229,22 @@ impl Supervisor {
 
     fn all_vms(&self) -> Vec<Arc<Vm>> {
         lock(&self.vms).values().cloned().collect()
+    }
+
+    /// The QMP connection to a registered VM's QEMU (for the QMP proxy).
+    pub fn vm_qmp(&self, name: &str) -> Result<Arc<qmp_client::Qmp>, SupError> {
+        self.vm(name)?.qmp()
+    }
+
+    /// Where a VM's QMP proxy listens: `RUN_DIR/VM/monitor.sock`.
+    pub fn monitor_socket(&self, name: &str) -> std::path::PathBuf {
+        self.cfg.run_dir.join(name).join("monitor.sock")
+    }
+
+    /// Called with the VM's name whenever a VM is registered or restored (acceld run starts the
+    /// VM's QMP proxy from it).
+    pub fn on_register(&self, f: Box<dyn Fn(&str) + Send + Sync>) {
+        *lock(&self.register_hook) = Some(f);
     }
 
     pub fn vm_names(&self) -> Vec<String> {

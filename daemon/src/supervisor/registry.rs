@@ -128,6 +128,9 @@ impl Supervisor {
         let vm = Arc::new(Vm::new(name, qmp, cont, incoming, dir, slots));
         lock(&self.vms).insert(vm.name.clone(), vm.clone());
         self.spawn_vm_task(&vm);
+        if let Some(h) = lock(&self.register_hook).as_ref() {
+            h(&vm.name);
+        }
         Ok(vm)
     }
 
@@ -290,6 +293,7 @@ impl Supervisor {
             d.stop_server();
         }
         let _ = std::fs::remove_file(vm.nbd_socket());
+        let _ = std::fs::remove_file(self.monitor_socket(&vm.name));
         let _ = std::fs::remove_dir(&vm.dir);
         vm.set_qmp(None);
         self.save();

@@ -107,6 +107,7 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         writeback: d.drive.writeback(),
         image_released: d.drive.image_handed_off(),
         spec: Some(d.spec.clone()),
+        capacity_bytes: d.drive.config().capacity_bytes,
     }
 }
 
@@ -152,6 +153,7 @@ impl Supervisor {
                     drives: vm.drives.values().map(|d| drive_status(vm, d)).collect(),
                     incoming: vm.incoming,
                     migration: lock(&vm.migration).clone(),
+                    monitor: Some(self.monitor_socket(&vm.name)),
                 })
                 .collect(),
         }

@@ -1,0 +1,124 @@
+//! acceld's QMP proxy with QEMU's own Python client (`qemu.qmp`): the same sequences against
+//! the proxy of an accelerated VM and against a reference VM whose same-size image is a
+//! virtio-blk-pci drive, replies compared field by field (`integration/qmp/proxy_check.py`);
+//! many clients at once; a guest verifying its writes through all of it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use accel_integration::migration::Instance;
+use accel_integration::supervised::{writer_script, AcceldRun};
+use accel_integration::{crate_dir, guest_value, Guest};
+use anyhow::{bail, Result};
+
+fn python() -> Result<PathBuf> {
+    let p = std::env::var_os("ACCEL_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| crate_dir().join(".venv/bin/python3"));
+    let ok = Command::new(&p)
+        .args(["-c", "import qemu.qmp"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        bail!(
+            "{} cannot import qemu.qmp: run integration/setup.sh (it makes the venv)",
+            p.display()
+        );
+    }
+    Ok(p)
+}
+
+/// The reference: the same kind of image as a virtio-blk-pci drive named like acceld's drive.
+fn reference_vm(dir: &Path, drive: &str) -> Result<(Guest, PathBuf)> {
+    let img = dir.join("ref.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let sock = dir.join("ref-qmp.sock");
+    let args: Vec<String> = [
+        "-m",
+        "128M",
+        "-qmp",
+        &format!("unix:{},server=on,wait=off", sock.display()),
+        "-blockdev",
+        &format!(
+            "driver=file,filename={},node-name={drive}-file,cache.direct=on,discard=unmap",
+            img.display()
+        ),
+        "-blockdev",
+        &format!("driver=raw,file={drive}-file,node-name={drive},cache.direct=on,discard=unmap"),
+        "-device",
+        &format!("virtio-blk-pci,id={drive},drive={drive}"),
+        "-S",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let g = Guest::boot_contract(&args, &[], "true")?;
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        if t0.elapsed() > Duration::from_secs(20) {
+            bail!("the reference QEMU did not open its monitor");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok((g, sock))
+}
+
+#[test]
+fn proxy_answers_as_qemu_does_for_a_virtio_blk_drive() -> Result<()> {
+    let py = python()?;
+    let dir = tempfile::Builder::new()
+        .prefix("accel-qmpproxy")
+        .tempdir_in("/var/tmp")?;
+    let img = dir.path().join("d0.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let acc = AcceldRun::start(
+        &dir.path().join("run"),
+        "quiet-period-ms = 300\npoll-interval-ms = 200\n",
+    )?;
+    let qmp = dir.path().join("qmp.sock");
+    acc.ctl_ok(&[
+        "register",
+        "--vm",
+        "vm1",
+        "--qmp",
+        qmp.to_str().unwrap(),
+        "--drive",
+        &format!("id=d0,image={},queues=2", img.display()),
+        "--cont",
+    ])?;
+    let proxy = acc.run_dir.join("vm1").join("monitor.sock");
+    let mut vm = Instance::boot_registered(
+        &acc,
+        "vm1",
+        &dir.path().join("side.sock"),
+        &[],
+        &writer_script("/dev/vda", 16, 64),
+    )?;
+    vm.guest.wait_for("READY", Duration::from_secs(120))?;
+    acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;
+    vm.guest.wait_for("progress=", Duration::from_secs(60))?;
+    let (_reference, ref_sock) = reference_vm(dir.path(), "d0")?;
+    let out = Command::new(&py)
+        .arg(accel_integration::crate_dir().join("qmp/proxy_check.py"))
+        .arg(&proxy)
+        .arg(&ref_sock)
+        .arg("d0")
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        bail!(
+            "the proxy differs from QEMU:\n{text}\nacceld log:\n{}",
+            acc.log_text()
+        );
+    }
+    // The guest wrote and verified through the throttle switches.
+    vm.guest.send_line("STOP")?;
+    let out = vm.guest.wait_exit(Duration::from_secs(180))?;
+    if !out.iter().any(|l| l.contains("RESULT: PASS")) {
+        bail!("guest failed:\n{}", out.join("\n"));
+    }
+    assert_eq!(guest_value(&out, "errors")?, "0");
+    Ok(())
+}
