@@ -84,6 +84,67 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
             }
             Ok(v)
         }
+        "human-monitor-command" => {
+            let word = args
+                .as_ref()
+                .and_then(|a| a.get("command-line"))
+                .and_then(Value::as_str)
+                .and_then(|l| l.split_whitespace().next());
+            match word {
+                // A VM snapshot covers every drive QEMU knows: the accelerated ones must be
+                // in QEMU's block layer first, or they are silently left out.
+                Some("savevm" | "loadvm" | "delvm") => {
+                    let held = hold_all(ctx).await?;
+                    let r = forward(ctx, name, args).await;
+                    release(ctx, held).await;
+                    r
+                }
+                _ => forward(ctx, name, args).await,
+            }
+        }
+        "snapshot-save" | "snapshot-load" | "snapshot-delete" => {
+            let job = args
+                .as_ref()
+                .and_then(|a| a.get("job-id"))
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            let held = hold_all(ctx).await?;
+            let r = forward(ctx, name, args).await;
+            match (&r, job) {
+                // A job: the drives stay in QEMU until it ends.
+                (Ok(_), Some(job)) => {
+                    let ctx2 = Ctx {
+                        sup: ctx.sup.clone(),
+                        vm: ctx.vm.clone(),
+                    };
+                    tokio::spawn(async move {
+                        wait_job(&ctx2, &job).await;
+                        release(&ctx2, held).await;
+                    });
+                }
+                _ => release(ctx, held).await,
+            }
+            r
+        }
+        "query-iothreads" => {
+            let mut v = forward(ctx, name, args).await?;
+            if let Some(list) = v.as_array_mut() {
+                list.retain(|t| !t["id"].as_str().is_some_and(own_name));
+            }
+            Ok(v)
+        }
+        "qom-list" => {
+            let objects = args
+                .as_ref()
+                .and_then(|a| a.get("path"))
+                .and_then(Value::as_str)
+                == Some("/objects");
+            let mut v = forward(ctx, name, args).await?;
+            if let (true, Some(list)) = (objects, v.as_array_mut()) {
+                list.retain(|o| !o["name"].as_str().is_some_and(own_name));
+            }
+            Ok(v)
+        }
         "query-block-exports" => {
             let mut v = forward(ctx, name, args).await?;
             if let Some(list) = v.as_array_mut() {
@@ -99,6 +160,76 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
             Ok(v)
         }
         _ => forward(ctx, name, args).await,
+    }
+}
+
+/// Drives moved to QEMU's block layer for a VM-wide operation, with the pin each had.
+type Held = Vec<(String, Option<policy::Pin>)>;
+
+fn pin_of(p: Option<accel_api::status::PinKind>) -> Option<policy::Pin> {
+    p.map(|p| match p {
+        accel_api::status::PinKind::Qemu => policy::Pin::Qemu,
+        accel_api::status::PinKind::Direct => policy::Pin::Direct,
+    })
+}
+
+/// Puts every drive of the VM on the qemu engine (a temporary pin); fails, releasing what it
+/// moved, if one cannot go.
+async fn hold_all(ctx: &Ctx) -> Result<Held, (String, String)> {
+    let mut held = Vec::new();
+    for d in ctx.drives() {
+        // Drives already on the qemu engine are pinned too: a pin keeps them there even if
+        // what keeps them (a throttle, a job) ends during the operation.
+        let prev = pin_of(d.pin);
+        if prev == Some(policy::Pin::Qemu) {
+            continue;
+        }
+        match ctx
+            .sup
+            .set_pin(&ctx.vm, &d.drive, Some(policy::Pin::Qemu), false)
+            .await
+        {
+            Ok(s) if s.engine == accel_api::status::EngineKind::Qemu => {
+                held.push((d.drive.clone(), prev))
+            }
+            r => {
+                held.push((d.drive.clone(), prev));
+                release(ctx, held).await;
+                let why = r
+                    .err()
+                    .map_or("it stayed where it was".to_string(), |e| e.chain());
+                return Err(generic(format!(
+                    "acceld: cannot move drive '{}' to QEMU's block layer for the snapshot: {why}",
+                    d.drive
+                )));
+            }
+        }
+    }
+    Ok(held)
+}
+
+async fn release(ctx: &Ctx, held: Held) {
+    for (drive, prev) in held {
+        if let Err(e) = ctx.sup.set_pin(&ctx.vm, &drive, prev, false).await {
+            tracing::warn!(vm = %ctx.vm, drive, "QMP proxy: cannot release the drive after the snapshot: {}", e.chain());
+        }
+    }
+}
+
+/// Waits until QEMU's job `id` has ended (concluded, or dismissed).
+async fn wait_job(ctx: &Ctx, id: &str) {
+    loop {
+        let Ok(v) = forward(ctx, "query-jobs", None).await else {
+            return;
+        };
+        let running =
+            v.as_array().into_iter().flatten().any(|j| {
+                j["id"] == id && !matches!(j["status"].as_str(), Some("concluded" | "null"))
+            });
+        if !running {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
 
