@@ -549,7 +549,7 @@ fn migrate(cli: &Cli, m: &MigrateArgs) -> Result<(), Fail> {
         )
         .map_err(|e| undo(step_err(&format!("mirror {id}"), e)))?;
         eprintln!(
-            "{id}: {} MiB in sync after {} ms; writes now go to both images",
+            "{id}: {} MiB in sync after {} ms; the mirror follows the guest's writes",
             r["len"].as_u64().unwrap_or(0) >> 20,
             r["took_ms"].as_u64().unwrap_or(0)
         );

@@ -25,6 +25,8 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 fn workdir(tag: &str) -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix(&format!("accel-{tag}"))
+        // ACCEL_KEEP=1 keeps the images, sockets and acceld logs for a look afterwards.
+        .disable_cleanup(std::env::var_os("ACCEL_KEEP").is_some())
         .tempdir_in("/var/tmp")
         .unwrap()
 }
