@@ -26,7 +26,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::drive::{Drive, QueueCtl};
 use crate::engine::{Engine, QueueIo};
-use crate::guest_mem::dirty_log::{used_ring_len, DirtyLog};
+use crate::guest_mem::dirty_log::DirtyLog;
 use crate::guest_mem::{Mem, MemHandle};
 use crate::queue::inflight::InflightQueue;
 use crate::util::lock;
@@ -628,19 +628,6 @@ impl Worker {
         }
         self.io = io;
         self.engine = engine;
-    }
-
-    /// Dirty logging: the used ring, after the device wrote it (QEMU syncs the whole ring
-    /// too; one or two pages).
-    fn log_used_ring(&self) {
-        let at = self.used_log.load(Ordering::Acquire);
-        if at == NO_USED_LOG {
-            return;
-        }
-        if let Some(log) = self.log.active() {
-            let log = log.as_ref().expect("active has a map");
-            log.mark(at, used_ring_len(self.queue.size()));
-        }
     }
 
     fn memory(&self) -> Arc<Mem> {

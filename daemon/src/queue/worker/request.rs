@@ -11,7 +11,8 @@ use tracing::{debug, error, warn};
 use virtio_queue::{DescriptorChain, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
-use super::{Worker, MAX_SEGS};
+use super::{Worker, MAX_SEGS, NO_USED_LOG};
+use crate::guest_mem::dirty_log::used_ring_len;
 use crate::drive::{AcctClass, DiscardMode, ErrorPolicy};
 use crate::engine::IoOp;
 use crate::guest_mem::{
@@ -552,9 +553,11 @@ impl Worker {
         }
         let head = slot.head;
         // Dirty logging: every page the device wrote for this request, after the writes and
-        // before the used element says it completed.
-        if let Some(log) = self.log.active() {
-            let log = log.as_ref().expect("active has a map");
+        // before the used element says it completed; then the used ring, after add_used. One
+        // look at the log per completion (a log swap waits for the guard).
+        let guard = self.log.active();
+        let log = guard.as_deref().and_then(Option::as_ref);
+        if let Some(log) = log {
             if matches!(slot.op, Op::Read { .. } | Op::GetId) {
                 for s in &slot.segs {
                     log.mark(s.addr, u64::from(s.len));
@@ -573,13 +576,18 @@ impl Worker {
             // there stays marked, for the next backend.
             iq.post_put(head, self.queue.next_used());
         }
+        if let (Some(log), Ok(())) = (log, &used) {
+            // QEMU syncs the whole used ring too: one or two pages.
+            let at = self.used_log.load(Ordering::Acquire);
+            if at != NO_USED_LOG {
+                log.mark(at, used_ring_len(self.queue.size()));
+            }
+        }
+        drop(guard);
         slot.op = Op::Flush;
         let freed_bounce = slot.bounce.take();
         self.used_added = true;
         self.free.push(idx);
-        if used.is_ok() {
-            self.log_used_ring();
-        }
         self.in_flight -= 1;
         if let Some(b) = freed_bounce {
             // Hand the buffer to the oldest request waiting for one.
