@@ -162,55 +162,16 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     // dir): accelctl registers the VM there, the destination QEMU waits with -incoming.
     let run_b = dir.join("run-b");
     let mut acc_b = AcceldRun::start(&run_b, "quiet-period-ms = 1000\npoll-interval-ms = 250\n")?;
-    let mig = dir.join("mig.sock");
-    let uri = format!("unix:{}", mig.display());
-    let qmp_b = dir.join("qmp-b.sock");
-    let accelctl = accel_integration::supervised::accelctl_bin()?;
-    let (run_a, rb, u, qb) = (run, run_b.clone(), uri.clone(), qmp_b);
     let t3 = Instant::now();
-    let migrate = std::thread::spawn(move || {
-        std::process::Command::new(accelctl)
-            .arg("--run-dir")
-            .arg(run_a)
-            .args(["migrate", "demo", "--to"])
-            .arg(rb)
-            .arg("--dest-qmp")
-            .arg(qb)
-            .args(["--uri", &u])
-            .output()
-    });
-    while acc_b.drive("demo", "disk0").is_err() {
-        if t3.elapsed() > Duration::from_secs(30) {
-            bail!("accelctl migrate did not register the destination");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // The destination QEMU: the contract from the destination acceld, waiting for the state.
-    let contract: Vec<String> = acc_b
-        .ctl_ok(&["qemu-args", "--vm", "demo", "--memory", "256M"])?
-        .lines()
-        .map(String::from)
-        .collect();
-    let g2 = accel_integration::Guest::boot_contract(
-        &contract,
-        &["-incoming".to_string(), uri.clone()],
+    let (text, mut g2) = accel_integration::migration::accelctl_migrate(
+        &acc,
+        &acc_b,
+        "demo",
+        &dir,
         &writer_script("/dev/vda", writers, 64),
-    );
-    let out = migrate
-        .join()
-        .map_err(|_| anyhow::anyhow!("accelctl thread"))??;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    if !out.status.success() {
-        bail!(
-            "accelctl migrate failed: {text}\nacceld logs: {} {}",
-            acc.log.display(),
-            acc_b.log.display()
-        );
-    }
+        &[],
+    )?;
+    let uri = format!("unix:{}", dir.join("mig.sock").display());
     println!(
         "[6/8] accelctl migrate demo --to {} --dest-qmp … --uri {uri}: in {:.1} s",
         run_b.display(),
@@ -221,7 +182,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     acc_b.wait_engine("demo", "disk0", "direct", Duration::from_secs(10))?;
     let _ = g.wait_exit(Duration::from_secs(30))?;
     print!("{}", indent(&acc_b.ctl_ok(&["status"])?));
-    let mut g = g2?;
+    let g = &mut g2.guest;
     g.wait_for("progress=", Duration::from_secs(60))?;
     g.send_line("STOP")?;
     let out = g.wait_exit(Duration::from_secs(300))?;

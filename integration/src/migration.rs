@@ -139,3 +139,64 @@ pub fn has_open(pid: u32, image: &Path) -> bool {
         })
         .unwrap_or(false)
 }
+
+/// Runs `accelctl migrate VM` from `a` to `b` in a thread (migration over `DIR/mig.sock`, the
+/// destination's QMP at `DIR/qmp-b.sock`), boots the destination QEMU with `-incoming` once
+/// accelctl registered the VM there (it waits for it), and returns accelctl's output and the
+/// destination instance.
+pub fn accelctl_migrate(
+    a: &AcceldRun,
+    b: &AcceldRun,
+    vm: &str,
+    dir: &Path,
+    script: &str,
+    extra: &[&str],
+) -> Result<(String, Instance)> {
+    let mig = dir.join("mig.sock");
+    let uri = format!("unix:{}", mig.display());
+    let dqmp = dir.join("qmp-b.sock");
+    let accelctl = crate::supervised::accelctl_bin()?;
+    let mut cmd = std::process::Command::new(accelctl);
+    cmd.arg("--run-dir")
+        .arg(&a.run_dir)
+        .args(["migrate", vm, "--to"])
+        .arg(&b.run_dir)
+        .arg("--dest-qmp")
+        .arg(dqmp)
+        .args(["--uri", &uri, "--timeout", "120"])
+        .args(extra);
+    let t = std::thread::spawn(move || cmd.output());
+    let t0 = Instant::now();
+    while b.status()?["vms"]
+        .as_array()
+        .is_none_or(|v| !v.iter().any(|v| v["vm"] == vm))
+    {
+        if t0.elapsed() > Duration::from_secs(20) {
+            bail!("accelctl migrate did not register the destination");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let dst = Instance::boot_registered(
+        b,
+        vm,
+        &dir.join("side-b.sock"),
+        &["-incoming".to_string(), uri],
+        script,
+    )?;
+    let out = t
+        .join()
+        .map_err(|_| anyhow::anyhow!("the accelctl thread panicked"))??;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    if !out.status.success() {
+        bail!(
+            "accelctl migrate failed: {text}\nsource acceld:\n{}\ndestination acceld:\n{}",
+            a.log_text(),
+            b.log_text()
+        );
+    }
+    Ok((text, dst))
+}

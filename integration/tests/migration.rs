@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use accel_integration::migration::{has_open, holds_lock, migrate, Instance};
+use accel_integration::migration::{accelctl_migrate, has_open, holds_lock, migrate, Instance};
 use accel_integration::supervised::{writer_script, AcceldRun};
 use accel_integration::{guest_value, host_md5, Guest};
 use anyhow::{bail, Context, Result};
@@ -275,7 +275,14 @@ fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
     a.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
     src.guest.wait_for("progress=", Duration::from_secs(60))?;
 
-    let (text, mut dst) = accelctl_migrate(&a, &b, dir.path(), &[])?;
+    let (text, mut dst) = accelctl_migrate(
+        &a,
+        &b,
+        "vm1",
+        dir.path(),
+        &writer_script("/dev/vda", WORKERS, BLOCKS),
+        &[],
+    )?;
     println!("accelctl migrate:\n{}", text.trim());
     assert!(text.contains("migrated: total"), "{text}");
     let d = b.drive("vm1", "d0")?;
@@ -434,61 +441,6 @@ fn no_destination_acceld_means_no_destination() -> Result<()> {
     Ok(())
 }
 
-/// Runs `accelctl migrate` from `a` to `b` in a thread, boots the destination QEMU once the
-/// destination is registered; returns accelctl's output and the destination instance.
-fn accelctl_migrate(
-    a: &AcceldRun,
-    b: &AcceldRun,
-    dir: &Path,
-    extra: &[&str],
-) -> Result<(String, Instance)> {
-    let mig = dir.join("mig.sock");
-    let uri = format!("unix:{}", mig.display());
-    let dqmp = dir.join("qmp-b.sock");
-    let run_b = b.run_dir.to_str().unwrap().to_string();
-    let accelctl = accel_integration::supervised::accelctl_bin()?;
-    let run_a = a.run_dir.clone();
-    let u = uri.clone();
-    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-    let t = std::thread::spawn(move || {
-        std::process::Command::new(accelctl)
-            .arg("--run-dir")
-            .arg(run_a)
-            .args(["migrate", "vm1", "--to", &run_b, "--dest-qmp"])
-            .arg(dqmp)
-            .args(["--uri", &u, "--timeout", "120"])
-            .args(extra)
-            .output()
-    });
-    let t0 = Instant::now();
-    while b.drive("vm1", "d0").is_err() {
-        if t0.elapsed() > Duration::from_secs(20) {
-            bail!("accelctl migrate did not register the destination");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let dst = boot(
-        b,
-        &dir.join("side-b.sock"),
-        &["-incoming".to_string(), uri],
-        &writer_script("/dev/vda", WORKERS, BLOCKS),
-    )?;
-    let out = t.join().expect("accelctl thread")?;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    if !out.status.success() {
-        bail!(
-            "accelctl migrate failed: {text}\nsource acceld:\n{}\ndestination acceld:\n{}",
-            a.log_text(),
-            b.log_text()
-        );
-    }
-    Ok((text, dst))
-}
-
 /// Copy-storage (non-shared storage): the destination has a blank image of its own; accelctl
 /// mirrors the running drive into it through QEMU's block layer, migrates, and the
 /// destination acceld serves the new image directly. The guest verifies there, and the new
@@ -510,7 +462,9 @@ fn copy_storage_to_a_blank_image() -> Result<()> {
     let (text, mut dst) = accelctl_migrate(
         &a,
         &b,
+        "vm1",
         dir.path(),
+        &writer_script("/dev/vda", WORKERS, BLOCKS),
         &["--copy-storage", "--dest-image", &dest_image],
     )?;
     println!("accelctl migrate --copy-storage:\n{}", text.trim());

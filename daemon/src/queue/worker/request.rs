@@ -12,9 +12,9 @@ use virtio_queue::{DescriptorChain, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{Worker, MAX_SEGS, NO_USED_LOG};
-use crate::guest_mem::dirty_log::used_ring_len;
 use crate::drive::{AcctClass, DiscardMode, ErrorPolicy};
 use crate::engine::IoOp;
+use crate::guest_mem::dirty_log::used_ring_len;
 use crate::guest_mem::{
     advance_iov, build_iovecs, copy_from_guest, copy_to_guest, iov_aligned, Mem,
 };
