@@ -2,7 +2,7 @@
 //! (two hosts sharing storage), a guest doing verified writes from 32 writers through round
 //! trips of plain QMP `migrate`, the drive on the direct engine throughout.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use accel_integration::migration::{accelctl_migrate, has_open, holds_lock, migrate, Instance};
@@ -29,6 +29,32 @@ fn workdir(tag: &str) -> tempfile::TempDir {
         .disable_cleanup(std::env::var_os("ACCEL_KEEP").is_some())
         .tempdir_in("/var/tmp")
         .unwrap()
+}
+
+/// Two hosts sharing storage: a work dir with drive d0's 64 MiB raw image, and an `acceld run`
+/// for each host.
+struct Hosts {
+    dir: tempfile::TempDir,
+    img: PathBuf,
+    drive: String,
+    a: AcceldRun,
+    b: AcceldRun,
+}
+
+fn two_hosts(tag: &str) -> Result<Hosts> {
+    let dir = workdir(tag);
+    let img = dir.path().join("d0.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let drive = format!("id=d0,image={},queues=2", img.display());
+    let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
+    let b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
+    Ok(Hosts {
+        dir,
+        img,
+        drive,
+        a,
+        b,
+    })
 }
 
 /// One side: an acceld and the QEMU it serves now (if any).
@@ -68,20 +94,14 @@ fn register(acc: &AcceldRun, qmp: &Path, drive: &str, incoming: bool) -> Result<
 #[test]
 fn direct_drive_migrates_round_trips_under_guest_writes() -> Result<()> {
     let _one = one_at_a_time();
-    let dir = workdir("mig");
-    let img = dir.path().join("d0.raw");
-    std::fs::File::create(&img)?.set_len(64 << 20)?;
-    let drive = format!("id=d0,image={},queues=2", img.display());
-    let sides = [
-        Side {
-            name: "a",
-            acc: AcceldRun::start(&dir.path().join("run-a"), CONFIG)?,
-        },
-        Side {
-            name: "b",
-            acc: AcceldRun::start(&dir.path().join("run-b"), CONFIG)?,
-        },
-    ];
+    let Hosts {
+        dir,
+        img,
+        drive,
+        a,
+        b,
+    } = two_hosts("mig")?;
+    let sides = [Side { name: "a", acc: a }, Side { name: "b", acc: b }];
     let qmp0 = dir.path().join("qmp-a0.sock");
     register(&sides[0].acc, &qmp0, &drive, false)?;
     let mut cur = boot(
@@ -251,12 +271,13 @@ fn verify_guest(i: &mut Instance, img: &Path) -> Result<String> {
 #[test]
 fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
     let _one = one_at_a_time();
-    let dir = workdir("mig-thr");
-    let img = dir.path().join("d0.raw");
-    std::fs::File::create(&img)?.set_len(64 << 20)?;
-    let drive = format!("id=d0,image={},queues=2", img.display());
-    let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
-    let b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
+    let Hosts {
+        dir,
+        img,
+        drive,
+        a,
+        b,
+    } = two_hosts("mig-thr")?;
     // The guest turns its write cache off (CONFIG_WCE): runtime state the destination must
     // show it too, since QEMU takes the config from the destination backend.
     let mut src = writer_on_with(
@@ -316,12 +337,13 @@ fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
 #[test]
 fn cancelled_migration_leaves_the_source_running() -> Result<()> {
     let _one = one_at_a_time();
-    let dir = workdir("mig-cancel");
-    let img = dir.path().join("d0.raw");
-    std::fs::File::create(&img)?.set_len(64 << 20)?;
-    let drive = format!("id=d0,image={},queues=2", img.display());
-    let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
-    let b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
+    let Hosts {
+        dir,
+        img,
+        drive,
+        a,
+        b,
+    } = two_hosts("mig-cancel")?;
     let mut src = writer_on(&a, dir.path(), "a", &drive)?;
     register(&b, &dir.path().join("qmp-b.sock"), &drive, true)?;
     let mig = dir.path().join("mig.sock");
@@ -373,14 +395,15 @@ fn cancelled_migration_leaves_the_source_running() -> Result<()> {
 #[test]
 fn no_destination_acceld_means_no_destination() -> Result<()> {
     let _one = one_at_a_time();
-    let dir = workdir("mig-nodst");
-    let img = dir.path().join("d0.raw");
-    std::fs::File::create(&img)?.set_len(64 << 20)?;
-    let drive = format!("id=d0,image={},queues=2", img.display());
-    let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
+    let Hosts {
+        dir,
+        img,
+        drive,
+        a,
+        mut b,
+    } = two_hosts("mig-nodst")?;
     let mut src = writer_on(&a, dir.path(), "a", &drive)?;
-    // The destination's contract names sockets nobody serves (a second acceld, stopped).
-    let mut b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
+    // The destination's contract names sockets nobody serves (its acceld, stopped).
     register(&b, &dir.path().join("qmp-b.sock"), &drive, true)?;
     let contract: Vec<String> = b
         .ctl_ok(&["qemu-args", "--vm", "vm1", "--memory", "256M"])?
@@ -448,14 +471,15 @@ fn no_destination_acceld_means_no_destination() -> Result<()> {
 #[test]
 fn copy_storage_to_a_blank_image() -> Result<()> {
     let _one = one_at_a_time();
-    let dir = workdir("mig-copy");
-    let img = dir.path().join("d0.raw");
-    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let Hosts {
+        dir,
+        img,
+        drive,
+        a,
+        b,
+    } = two_hosts("mig-copy")?;
     let new = dir.path().join("d0-dest.raw");
     std::fs::File::create(&new)?.set_len(64 << 20)?;
-    let drive = format!("id=d0,image={},queues=2", img.display());
-    let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
-    let b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
     let mut src = writer_on(&a, dir.path(), "a", &drive)?;
     src.guest.wait_for("progress=", Duration::from_secs(60))?;
     let dest_image = format!("d0={}", new.display());

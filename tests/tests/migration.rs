@@ -66,6 +66,28 @@ fn log_bytes(fe: &BlkFrontend) -> u64 {
     (fe.mem.len() as u64 / PAGE).div_ceil(8).next_multiple_of(8)
 }
 
+/// A one-queue server on a sparse image of the test's disk size.
+fn small_server() -> TestServer {
+    TestServer::start(&ServerOptions {
+        size: BLOCKS * BLOCK,
+        ..Default::default()
+    })
+}
+
+/// A temp dir with a sparse image of the test's disk size, for servers on other engines.
+fn image_dir(prefix: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let image = dir.path().join("disk.raw");
+    File::create(&image)
+        .unwrap()
+        .set_len(BLOCKS * BLOCK)
+        .unwrap();
+    (dir, image)
+}
+
 fn connect(s: &TestServer, queues: usize) -> BlkFrontend {
     BlkFrontend::connect(
         &s.socket,
@@ -283,15 +305,7 @@ fn marks_every_page_the_device_writes_and_nothing_else() {
 
 #[test]
 fn marks_what_the_nbd_engine_reads_into_guest_memory() {
-    let dir = tempfile::Builder::new()
-        .prefix("accel-mig-nbd")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let image = dir.path().join("disk.raw");
-    File::create(&image)
-        .unwrap()
-        .set_len(BLOCKS * BLOCK)
-        .unwrap();
+    let (dir, image) = image_dir("accel-mig-nbd");
     let qsd = QsdNbd::start(&image, "raw", &dir.path().join("nbd.sock")).unwrap();
     let engine = Arc::new(NbdEngine::connect(&qsd.socket, &qsd.export).unwrap());
     let o = ServerOptions {
@@ -305,11 +319,7 @@ fn marks_what_the_nbd_engine_reads_into_guest_memory() {
 
 #[test]
 fn a_resize_moves_marking_to_the_new_log() {
-    let o = ServerOptions {
-        size: BLOCKS * BLOCK,
-        ..Default::default()
-    };
-    let s = TestServer::start(&o);
+    let s = small_server();
     let mut fe = connect(&s, 1);
     let old = log_memfd(log_bytes(&fe));
     start_logging(&mut fe, &old);
@@ -332,11 +342,7 @@ fn a_resize_moves_marking_to_the_new_log() {
 fn log_all_and_f_log_before_the_log_base_are_accepted() {
     // The order of QEMU's vhost_dev_start when logging is already on (a reconnect during a
     // migration): SET_FEATURES(+LOG_ALL), the rings with F_LOG, then SET_LOG_BASE.
-    let o = ServerOptions {
-        size: BLOCKS * BLOCK,
-        ..Default::default()
-    };
-    let s = TestServer::start(&o);
+    let s = small_server();
     let mut fe = connect(&s, 1);
     fe.set_log_all(true).expect("LOG_ALL without a log");
     fe.set_used_log(0, true).expect("F_LOG without a log");
@@ -349,11 +355,7 @@ fn log_all_and_f_log_before_the_log_base_are_accepted() {
 
 #[test]
 fn a_log_that_cannot_be_mapped_closes_the_connection() {
-    let o = ServerOptions {
-        size: BLOCKS * BLOCK,
-        ..Default::default()
-    };
-    let s = TestServer::start(&o);
+    let s = small_server();
     let mut fe = connect(&s, 1);
     let log = log_memfd(4096);
     // Claims more than the file holds: mapping it would SIGBUS on the first mark.
@@ -369,12 +371,7 @@ fn a_log_that_cannot_be_mapped_closes_the_connection() {
 
 #[test]
 fn two_devices_mark_one_shared_log() {
-    let o = ServerOptions {
-        size: BLOCKS * BLOCK,
-        ..Default::default()
-    };
-    let a = TestServer::start(&o);
-    let b = TestServer::start(&o);
+    let (a, b) = (small_server(), small_server());
     let mut fa = connect(&a, 1);
     let mut fb = connect(&b, 1);
     let log = log_memfd(log_bytes(&fa).max(log_bytes(&fb)));
@@ -415,15 +412,7 @@ fn locked(path: &Path) -> bool {
 
 #[test]
 fn the_last_ring_stop_while_logging_hands_the_image_off() {
-    let dir = tempfile::Builder::new()
-        .prefix("accel-mig-lock")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let image = dir.path().join("disk.raw");
-    File::create(&image)
-        .unwrap()
-        .set_len(BLOCKS * BLOCK)
-        .unwrap();
+    let (dir, image) = image_dir("accel-mig-lock");
     let engine = Arc::new(
         FileEngine::open(FileEngineConfig {
             path: image.clone(),
