@@ -166,6 +166,11 @@ pub struct DriveStatus {
     /// Bytes the guest sees.
     #[serde(default)]
     pub capacity_bytes: u64,
+    /// The QEMU node the guest's data is on when it is not the drive's own node: an external
+    /// snapshot's overlay, or a mirror's target after a pivot (the drive then stays on
+    /// QEMU's block layer).
+    #[serde(default)]
+    pub data_node: Option<String>,
 }
 
 /// One VM.
@@ -312,6 +317,7 @@ mod tests {
             image_released: false,
             spec: None,
             capacity_bytes: 0,
+            data_node: None,
         };
         let s = Status {
             vms: vec![VmStatus {

@@ -1,27 +1,35 @@
 #!/usr/bin/env python3
 """acceld's QMP proxy next to QEMU itself, with QEMU's own Python client (qemu.qmp).
 
-Usage: proxy_check.py PROXY_SOCKET REFERENCE_SOCKET DRIVE
+Usage: proxy_check.py PROXY_SOCKET REFERENCE_SOCKET DRIVE SCRATCH_DIR
 
 PROXY_SOCKET: acceld's monitor.sock of a VM whose drive DRIVE is accelerated.
 REFERENCE_SOCKET: the QMP socket of a reference VM whose same-size image is a virtio-blk-pci
 drive (-blockdev ... node-name=DRIVE -device virtio-blk-pci,id=DRIVE,drive=DRIVE).
 
-Runs the same sequences on both and compares replies field by field (dropping paths, sizes on
-disk and counters); then many clients at once with colliding and odd ids, pipelined, one
-killed mid-command. Prints one line per check and exits non-zero on the first mismatch.
+SCRATCH_DIR: where each side's overlays, backups and mirror targets go (p-* and r-*).
+ACCELCTL (environment): the accelctl command line of the proxy's acceld (with --run-dir), to
+read which engine serves the drive.
+
+Runs the same sequences on both and compares replies, job states and events field by field
+(dropping paths, sizes on disk and counters); then many clients at once with colliding and
+odd ids, pipelined, while the drive switches, one killed mid-command. Prints one line per
+check and exits non-zero if any differs.
 """
 
 import asyncio
 import json
+import os
+import shlex
 import socket
+import subprocess
 import sys
-
 import time
 
 from qemu.qmp import EventListener, ExecuteError, QMPClient
 
-PROXY, REF, DRIVE = sys.argv[1], sys.argv[2], sys.argv[3]
+PROXY, REF, DRIVE, SCRATCH = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+ACCELCTL = shlex.split(os.environ.get("ACCELCTL", ""))
 QOM = f"/machine/peripheral/{DRIVE}/virtio-backend"
 failures = []
 
@@ -55,7 +63,66 @@ def entry(reply, key, value):
     return next((e for e in v if e.get(key) == value), None)
 
 
-PATHS = {"filename", "file", "actual-size"}
+PATHS = {"filename", "file", "actual-size", "backing_file", "backing-filename",
+         "full-backing-filename"}
+
+
+def engine():
+    """The engine serving the proxy's drive, from acceld's status."""
+    if not ACCELCTL:
+        return None
+    st = json.loads(subprocess.run(ACCELCTL + ["status", "--json"], check=True,
+                                   capture_output=True, text=True).stdout)
+    for vm in st["vms"]:
+        for d in vm["drives"]:
+            if d["drive"] == DRIVE:
+                return d["engine"], d.get("data_node")
+    return None
+
+
+async def wait_engine(want, timeout=20.0):
+    t0 = time.monotonic()
+    while True:
+        e = engine()
+        if e is None or e[0] == want or time.monotonic() - t0 > timeout:
+            return e
+        await asyncio.sleep(0.1)
+
+
+def side(qmp, name):
+    """A per-side path in the scratch dir."""
+    return os.path.join(SCRATCH, ("p-" if qmp.name == "proxy" else "r-") + name)
+
+
+JOB_EVENTS = ("JOB_STATUS_CHANGE", "BLOCK_JOB_READY", "BLOCK_JOB_COMPLETED",
+              "BLOCK_JOB_CANCELLED", "BLOCK_JOB_ERROR", "BLOCK_JOB_PENDING")
+
+
+async def job_run(qmp, cmd, args, jid, at_ready=None):
+    """Starts a job, answers READY with at_ready (a (cmd, args) pair), waits until it is gone
+    (or concluded: then dismisses it). Returns the reply, the job's states, the block-job
+    events and the reply to at_ready."""
+    lis = EventListener(JOB_EVENTS)
+    qmp.register_listener(lis)
+    reply = await run(qmp, cmd, args)
+    ready_reply = None
+    t0 = time.monotonic()
+    while reply[0] == "return" and time.monotonic() - t0 < 120:
+        jobs = await qmp.execute("query-jobs")
+        j = next((x for x in jobs if x["id"] == jid), None)
+        if j is None:
+            break
+        if j["status"] == "concluded":
+            await run(qmp, "job-dismiss", {"id": jid})
+            break
+        if j["status"] == "ready" and at_ready and ready_reply is None:
+            ready_reply = await run(qmp, *at_ready)
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    qmp.remove_listener(lis)
+    states = [e["data"]["status"] for e in lis.history if e["event"] == "JOB_STATUS_CHANGE"]
+    others = [e["event"] for e in lis.history if e["event"] != "JOB_STATUS_CHANGE"]
+    return reply, states, others, ready_reply
 
 
 def throttle(iops):
@@ -165,6 +232,8 @@ async def compare():
     jp, jr = await job(p, "snapshot-save", sargs), await job(r, "snapshot-save", sargs)
     check("snapshot-save: reply, job result and its states as QEMU's", jp == jr,
           f"\n  proxy     {jp}\n  reference {jr}")
+    await block_jobs(p, r)
+    await nbd_server(p, r)
     await same("an unknown command", p, r, "no-such-command")
     await same("qmp_capabilities again", p, r, "qmp_capabilities")
     kind, ex = await run(p, "query-block-exports")
@@ -176,6 +245,196 @@ async def compare():
           and not any(o["name"].startswith("accel-") for o in objs), json.dumps(objs))
     await p.disconnect()
     await r.disconnect()
+
+
+async def both(name, p, r, fn):
+    """fn(qmp) on each side; the results compared."""
+    a, b = await fn(p), await fn(r)
+    check(name, a == b, f"\n  proxy     {json.dumps(a, sort_keys=True)}\n  reference {json.dumps(b, sort_keys=True)}")
+    return a
+
+
+def block_entry(reply):
+    e = entry(reply, "qdev", QOM)
+    return drop(e, PATHS) if e else reply
+
+
+async def block_jobs(p, r):
+    """External snapshot and active commit, a backup job, mirrors cancelled and completed,
+    stats across the switches, unknown names: the same on the accelerated drive as on the
+    virtio-blk one."""
+    async def stats(q):
+        return entry(await run(q, "query-blockstats"), "qdev", QOM)["stats"]
+
+    before = await stats(p)
+    # External snapshot (what Proxmox and libvirt do with blockdev-add + blockdev-snapshot,
+    # and older tools with blockdev-snapshot-sync).
+    await both("blockdev-snapshot-sync node-name=D: reply", p, r, lambda q: run(
+        q, "blockdev-snapshot-sync", {"node-name": DRIVE, "snapshot-file": side(q, "ov1.qcow2"),
+                                      "snapshot-node-name": "ov1", "format": "qcow2"}))
+    await same("query-block on the overlay (qcow2, backing chain)", p, r, "query-block",
+               post=block_entry)
+    e = engine()
+    check("the drive is on QEMU's block layer with its data on the overlay",
+          e is None or e == ("qemu", "ov1"), str(e))
+    await both("block-commit of the active overlay, pivot: reply, states, events", p, r,
+               lambda q: job_run(q, "block-commit", {"job-id": "c1", "device": "ov1"}, "c1",
+                                 ("job-complete", {"id": "c1"})))
+    await same("query-block after the commit (the raw image again)", p, r, "query-block",
+               post=block_entry)
+    e = await wait_engine("direct")
+    check("after the commit the drive goes back to direct", e is None or e == ("direct", None),
+          str(e))
+    # transaction with blockdev-snapshot on a blockdev-add'ed overlay (libvirt's way).
+    async def overlay_tx(q):
+        f = side(q, "ov2.qcow2")
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", f, "64M"], check=True)
+        a = await run(q, "blockdev-add", {"driver": "qcow2", "node-name": "ov2", "backing": None,
+                                          "file": {"driver": "file", "filename": f}})
+        b = await run(q, "transaction", {"actions": [
+            {"type": "blockdev-snapshot", "data": {"node": DRIVE, "overlay": "ov2"}}]})
+        c = block_entry(await run(q, "query-block"))
+        return a, b, c
+    await both("blockdev-add overlay + transaction blockdev-snapshot", p, r, overlay_tx)
+    await both("block-commit ov2 into D with job-complete", p, r, lambda q: job_run(
+        q, "block-commit", {"job-id": "c2", "device": "ov2"}, "c2", ("job-complete", {"id": "c2"})))
+    await both("blockdev-del of the committed overlay", p, r,
+               lambda q: run(q, "blockdev-del", {"node-name": "ov2"}))
+    await wait_engine("direct")
+    # A backup job to a file.
+    await both("drive-backup to a file: reply, states, events", p, r, lambda q: job_run(
+        q, "drive-backup", {"job-id": "b1", "device": DRIVE, "sync": "full",
+                            "target": side(q, "backup.raw"), "format": "raw"}, "b1"))
+    check("the backup file has the drive's size",
+          os.path.getsize(side(p, "backup.raw")) == os.path.getsize(side(r, "backup.raw")),
+          f"{os.path.getsize(side(p, 'backup.raw'))} vs {os.path.getsize(side(r, 'backup.raw'))}")
+    e = await wait_engine("direct")
+    check("after the backup the drive goes back to direct", e is None or e[0] == "direct", str(e))
+
+    async def mirror(q, tag, at_ready):
+        f = side(q, tag + ".raw")
+        with open(f, "wb") as fh:
+            fh.truncate(64 << 20)
+        a = await run(q, "blockdev-add", {"driver": "raw", "node-name": tag,
+                                          "file": {"driver": "file", "filename": f}})
+        j = await job_run(q, "blockdev-mirror", {"job-id": "j" + tag, "device": DRIVE,
+                                                 "target": tag, "sync": "full"},
+                          "j" + tag, at_ready)
+        return a, j, block_entry(await run(q, "query-block"))
+    await both("blockdev-mirror cancelled at READY", p, r, lambda q: mirror(
+        q, "m1", ("block-job-cancel", {"device": "jm1"})))
+    await both("blockdev-del of the cancelled mirror's target", p, r,
+               lambda q: run(q, "blockdev-del", {"node-name": "m1"}))
+    e = await wait_engine("direct")
+    check("after the cancelled mirror the drive goes back to direct",
+          e is None or e == ("direct", None), str(e))
+    after = await stats(p)
+    check("query-blockstats: acceld's counters only grow across the switches",
+          all(after[k] >= before[k] for k in ("rd_operations", "wr_operations", "rd_bytes",
+                                              "wr_bytes", "flush_operations")),
+          f"{before} -> {after}")
+    # query-nodes: the node entries, as QEMU lists them.
+    await same("query-blockstats query-nodes=true: the nodes listed", p, r, "query-blockstats",
+               {"query-nodes": True},
+               post=lambda rep: sorted(e.get("node-name", "") for e in rep[1])
+               if rep[0] == "return" else rep)
+    # HMP info block / info blockstats: the drive's text as QEMU prints it.
+    async def info_block(q):
+        text = await q.execute("human-monitor-command", {"command-line": "info block"})
+        para = next((x for x in text.split("\r\n\r\n") if x.startswith(DRIVE + ":")), "")
+        lines = para.split("\r\n")
+        if lines:
+            lines[0] = lines[0].split(" ")[0] + " " + lines[0].split(" ")[-1]
+        return lines
+    await both("HMP info block: the drive's paragraph", p, r, info_block)
+
+    async def info_stats(q):
+        text = await q.execute("human-monitor-command", {"command-line": "info blockstats"})
+        return sorted({tuple(w.split("=")[0] for w in line.split()) for line in
+                       text.split("\r\n") if line.startswith(": ")})
+    await both("HMP info blockstats: the drive's line", p, r, info_stats)
+    # Unknown names: QEMU's own texts.
+    for cmd, args in (
+            ("blockdev-snapshot-sync", {"node-name": "nope", "snapshot-file": "/nonexistent/x",
+                                        "format": "qcow2"}),
+            ("drive-backup", {"device": "nope", "target": "/nonexistent/x", "sync": "full",
+                              "job-id": "x"}),
+            ("blockdev-mirror", {"device": "nope", "target": "nope2", "sync": "full",
+                                 "job-id": "x"}),
+            ("block-commit", {"device": "nope", "job-id": "x"}),
+            ("block-dirty-bitmap-add", {"node": "nope", "name": "b"}),
+            ("block-job-cancel", {"device": "nope"}),
+            ("job-complete", {"id": "nope"}),
+            ("block_set_io_throttle", {**throttle(5), "id": "/machine/peripheral/nope/virtio-backend"})):
+        await same(f"{cmd} on an unknown name", p, r, cmd, args)
+    # Dirty bitmaps on the drive (they keep it on QEMU's block layer while they exist).
+    await same("block-dirty-bitmap-add on D", p, r, "block-dirty-bitmap-add",
+               {"node": DRIVE, "name": "bm0"})
+    await same("block-dirty-bitmap-remove on D", p, r, "block-dirty-bitmap-remove",
+               {"node": DRIVE, "name": "bm0"})
+
+
+async def mirror_complete(p, r):
+    """A mirror completed (the pivot): the device's data is on the target, and the guest keeps
+    writing to it."""
+    async def mirror(q):
+        f = side(q, "m2.raw")
+        with open(f, "wb") as fh:
+            fh.truncate(64 << 20)
+        a = await run(q, "blockdev-add", {"driver": "raw", "node-name": "m2",
+                                          "file": {"driver": "file", "filename": f}})
+        j = await job_run(q, "blockdev-mirror", {"job-id": "jm2", "device": DRIVE,
+                                                 "target": "m2", "sync": "full"},
+                          "jm2", ("job-complete", {"id": "jm2"}))
+        return a, j, block_entry(await run(q, "query-block"))
+    await both("blockdev-mirror completed (pivot to the target)", p, r, mirror)
+    e = engine()
+    check("after the pivot the drive serves the target through QEMU's block layer",
+          e is None or e == ("qemu", "m2"), str(e))
+
+
+async def nbd_server(p, r):
+    """Management's own NBD server and export next to acceld's, on a throttled drive."""
+    await same("block_set_io_throttle before the NBD server", p, r, "block_set_io_throttle",
+               throttle(400))
+    await same("nbd-server-stop with none running", p, r, "nbd-server-stop")
+    await same("block-export-add without a server", p, r, "block-export-add",
+               {"type": "nbd", "id": "e1", "node-name": DRIVE})
+    lp, lr = EventListener(("BLOCK_EXPORT_DELETED",)), EventListener(("BLOCK_EXPORT_DELETED",))
+    p.register_listener(lp)
+    r.register_listener(lr)
+    await both("nbd-server-start on management's socket", p, r, lambda q: run(
+        q, "nbd-server-start", {"addr": {"type": "unix", "data": {"path": side(q, "nbd.sock")}}}))
+    await both("nbd-server-start again", p, r, lambda q: run(
+        q, "nbd-server-start", {"addr": {"type": "unix", "data": {"path": side(q, "nbd2.sock")}}}))
+    await same("nbd-server-start without addr", p, r, "nbd-server-start", {})
+    await same("block-export-add type=nbd on D", p, r, "block-export-add",
+               {"type": "nbd", "id": "e1", "node-name": DRIVE})
+    await same("a second export named like D", p, r, "block-export-add",
+               {"type": "nbd", "id": "e2", "node-name": DRIVE})
+    await same("query-block-exports: management's export only", p, r, "query-block-exports")
+    await same("block-export-del of acceld's export", p, r, "block-export-del",
+               {"id": "accel-" + DRIVE})
+
+    async def nbd_info(q):
+        out = subprocess.run(["qemu-img", "info", "--output=json",
+                              f"nbd+unix:///{DRIVE}?socket={side(q, 'nbd.sock')}"],
+                             capture_output=True, text=True, timeout=30)
+        return out.returncode, json.loads(out.stdout).get("virtual-size") if out.stdout else out.stderr
+    await both("qemu-img info through management's NBD server", p, r, nbd_info)
+    await same("nbd-server-stop", p, r, "nbd-server-stop")
+    await asyncio.sleep(0.5)
+    ep = [e["data"]["id"] for e in lp.history]
+    er = [e["data"]["id"] for e in lr.history]
+    check("BLOCK_EXPORT_DELETED for management's export only", ep == er, f"{ep} vs {er}")
+    p.remove_listener(lp)
+    r.remove_listener(lr)
+    await same("query-block-exports after the stop", p, r, "query-block-exports")
+    check("management's socket is gone after the stop", not os.path.exists(side(p, "nbd.sock")))
+    await same("clear the throttle", p, r, "block_set_io_throttle", throttle(0))
+    e = await wait_engine("direct")
+    check("after the NBD server and the throttle the drive goes back to direct",
+          e is None or e[0] == "direct", str(e))
 
 
 def raw_session(path, lines):
@@ -225,8 +484,16 @@ async def many_clients():
             (isinstance(v, dict) and "status" in v) if i % 4 == 0 else
             (isinstance(v, list)) if i % 4 in (1, 3) else isinstance(v, dict)
             for i, v in enumerate(replies))
-    ok = await asyncio.gather(*(one(n) for n in range(8)))
-    check("8 clients x 40 pipelined commands, colliding ids", all(ok), str(ok))
+    async def switcher():
+        c = QMPClient("switcher")
+        await c.connect(PROXY)
+        for iops in (300, 0, 600, 0):
+            await c.execute("block_set_io_throttle", throttle(iops))
+        await c.disconnect()
+        return True
+    ok = await asyncio.gather(*(one(n) for n in range(8)), switcher())
+    check("8 clients x 40 pipelined commands, colliding ids, while the drive switches",
+          all(ok), str(ok))
 
 
 def killed_client():
@@ -264,6 +531,12 @@ async def main():
     await many_clients()
     killed_client()
     await after_kill()
+    p, r = QMPClient("proxy"), QMPClient("reference")
+    await p.connect(PROXY)
+    await r.connect(REF)
+    await mirror_complete(p, r)
+    await p.disconnect()
+    await r.disconnect()
     c = QMPClient("final")
     await c.connect(PROXY)
     st = await c.execute("query-status")

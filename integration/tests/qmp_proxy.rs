@@ -99,11 +99,20 @@ fn proxy_answers_as_qemu_does_for_a_virtio_blk_drive() -> Result<()> {
     acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;
     vm.guest.wait_for("progress=", Duration::from_secs(60))?;
     let (_reference, ref_sock) = reference_vm(dir.path(), "d0")?;
+    let scratch = dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch)?;
+    let accelctl = format!(
+        "{} --run-dir {}",
+        accel_integration::supervised::accelctl_bin()?.display(),
+        acc.run_dir.display()
+    );
     let out = Command::new(&py)
         .arg(accel_integration::crate_dir().join("qmp/proxy_check.py"))
         .arg(&proxy)
         .arg(&ref_sock)
         .arg("d0")
+        .arg(&scratch)
+        .env("ACCELCTL", accelctl)
         .output()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     println!("{text}{}", String::from_utf8_lossy(&out.stderr));

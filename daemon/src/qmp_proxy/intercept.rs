@@ -1,20 +1,32 @@
 //! The commands the proxy answers itself, or changes on their way, because they concern an
-//! accelerated drive (which QEMU does not know as a block device): throttling by the device's
-//! QOM path, `query-block` and `query-blockstats` entries as QEMU shows a virtio-blk drive,
-//! and acceld's own exports and nodes hidden. Everything else goes to QEMU as it is.
+//! accelerated drive (which QEMU does not know as a block device):
+//! - block commands naming a drive (its node, qdev id or QOM path, anywhere in the
+//!   arguments): the drive is held on QEMU's block layer while QEMU runs the command, so its
+//!   nodes exist; a job, overlay or export the command leaves keeps it there (the policy),
+//!   and it goes back to direct when they are gone;
+//! - VM snapshots: every drive is held first, so a snapshot never leaves one out;
+//! - throttling by the device's QOM path (acceld's throttle);
+//! - `query-block`, `query-blockstats` and HMP `info block` / `info blockstats`: entries as
+//!   QEMU shows a virtio-blk drive;
+//! - management's NBD server (`nbd`), and acceld's own exports, nodes, iothread and objects
+//!   hidden.
+//!
+//! Everything else goes to QEMU as it is.
 
 use std::sync::Arc;
 
-use accel_api::control::ThrottleLimits;
-use accel_api::status::DriveStatus;
+use accel_api::status::{DriveStatus, EngineKind};
 use serde_json::{json, Map, Value};
 
-use super::forward;
+use super::hold::{hold, release};
+use super::synth::{self, qdev_path};
+use super::{forward, nbd, throttle, Shared};
 use crate::supervisor::Supervisor;
 
 pub struct Ctx {
     pub sup: Arc<Supervisor>,
     pub vm: String,
+    pub shared: Arc<Shared>,
 }
 
 type Reply = Result<Value, (String, String)>;
@@ -23,17 +35,8 @@ fn generic(desc: impl Into<String>) -> (String, String) {
     ("GenericError".into(), desc.into())
 }
 
-/// The QOM path of a drive's device backend, as management names it
-/// (`/machine/peripheral/ID/virtio-backend`).
-fn qdev_path(d: &DriveStatus) -> String {
-    format!(
-        "/machine/peripheral/{}/virtio-backend",
-        d.device.as_deref().unwrap_or(&d.drive)
-    )
-}
-
 impl Ctx {
-    fn drives(&self) -> Vec<DriveStatus> {
+    pub fn drives(&self) -> Vec<DriveStatus> {
         self.sup
             .status()
             .vms
@@ -42,6 +45,14 @@ impl Ctx {
             .map(|v| v.drives)
             .unwrap_or_default()
     }
+
+    fn again(&self) -> Ctx {
+        Ctx {
+            sup: self.sup.clone(),
+            vm: self.vm.clone(),
+            shared: self.shared.clone(),
+        }
+    }
 }
 
 /// Names acceld gives its own objects in QEMU.
@@ -49,74 +60,161 @@ fn own_name(s: &str) -> bool {
     s.starts_with("accel-")
 }
 
+fn arg<'a>(args: &'a Option<Map<String, Value>>, k: &str) -> Option<&'a Value> {
+    args.as_ref().and_then(|a| a.get(k))
+}
+
+/// Commands that name block nodes (or a device's backend) in their arguments.
+fn names_nodes(cmd: &str) -> bool {
+    let block = cmd.starts_with("blockdev-")
+        || cmd.starts_with("block-")
+        || cmd.starts_with("block_")
+        || cmd.starts_with("drive-")
+        || cmd.starts_with("x-blockdev-")
+        || matches!(
+            cmd,
+            "transaction"
+                | "change-backing-file"
+                | "nbd-server-add"
+                | "x-block-dirty-bitmap-populate"
+        );
+    // Jobs are named by job id; these look nodes up only to read them.
+    let not = cmd.starts_with("block-job-")
+        || matches!(
+            cmd,
+            "block-export-del" | "block-latency-histogram-set" | "blockdev-del"
+        );
+    block && !not
+}
+
+/// Every accelerated drive a command's arguments name: the drive's node (or the node that
+/// holds its data now), its file node, its qdev id or QOM path, as any string anywhere in
+/// the arguments (`transaction` actions, `blockdev-add` children, bitmap lists).
+fn named_drives(drives: &[DriveStatus], args: &Option<Map<String, Value>>) -> Vec<String> {
+    fn walk(v: &Value, f: &mut dyn FnMut(&str)) {
+        match v {
+            Value::String(s) => f(s),
+            Value::Array(l) => l.iter().for_each(|x| walk(x, f)),
+            Value::Object(m) => m.values().for_each(|x| walk(x, f)),
+            _ => {}
+        }
+    }
+    let mut hit = Vec::new();
+    if let Some(a) = args {
+        for v in a.values() {
+            walk(v, &mut |s| {
+                for d in drives {
+                    let named = s == d.drive
+                        || s == format!("{}-file", d.drive)
+                        || d.device.as_deref() == Some(s)
+                        || d.data_node.as_deref() == Some(s)
+                        || s == qdev_path(d);
+                    if named && !hit.contains(&d.drive) {
+                        hit.push(d.drive.clone());
+                    }
+                }
+            });
+        }
+    }
+    hit
+}
+
 pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) -> Reply {
     match name {
         "block_set_io_throttle" => {
-            let id = args
-                .as_ref()
-                .and_then(|a| a.get("id"))
-                .and_then(Value::as_str);
+            let id = arg(&args, "id").and_then(Value::as_str);
             let d = id.and_then(|id| ctx.drives().into_iter().find(|d| qdev_path(d) == id));
             match d {
-                Some(d) => throttle(ctx, &d, args.unwrap_or_default()).await,
+                Some(d) => set_throttle(ctx, &d, args.unwrap_or_default()).await,
                 // Other names get QEMU's own answer (its texts and classes).
                 None => forward(ctx, name, args).await,
             }
         }
+        "block_resize" if !named_drives(&ctx.drives(), &args).is_empty() => Err(generic(
+            "acceld's QMP proxy: block_resize of an accelerated drive is not supported yet \
+             (the guest would not see the new size)",
+        )),
+        "nbd-server-start" => nbd::start(ctx, args).await,
+        "nbd-server-stop" => nbd::stop(ctx).await,
+        "block-export-add" => {
+            let is_nbd = arg(&args, "type").and_then(Value::as_str) == Some("nbd");
+            if is_nbd && !ctx.shared.nbd.running().await {
+                // acceld's server runs, but management's does not.
+                return Err(generic("NBD server not running"));
+            }
+            let id = arg(&args, "id").and_then(Value::as_str).map(str::to_string);
+            let r = with_drives(ctx, name, args).await;
+            if let (Ok(_), true, Some(id)) = (&r, is_nbd, id) {
+                ctx.shared.nbd.added(&id).await;
+            }
+            r
+        }
+        "nbd-server-add" => {
+            if !ctx.shared.nbd.running().await {
+                return Err(generic("NBD server not running"));
+            }
+            let id = arg(&args, "name")
+                .or_else(|| arg(&args, "device"))
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            let r = with_drives(ctx, name, args).await;
+            if let (Ok(_), Some(id)) = (&r, id) {
+                ctx.shared.nbd.added(&id).await;
+            }
+            r
+        }
+        "block-export-del" | "nbd-server-remove" => {
+            let key = if name == "block-export-del" {
+                "id"
+            } else {
+                "name"
+            };
+            let id = arg(&args, key).and_then(Value::as_str).map(str::to_string);
+            if let Some(id) = id.as_deref().filter(|i| own_name(i)) {
+                return Err(generic(format!("Export '{id}' is not found")));
+            }
+            let r = forward(ctx, name, args).await;
+            if let (Ok(_), Some(id)) = (&r, id) {
+                ctx.shared.nbd.deleted(&id).await;
+            }
+            r
+        }
         "query-block" => {
             let mut v = forward(ctx, name, args).await?;
+            let extra = block_infos(ctx).await;
             if let Some(list) = v.as_array_mut() {
-                list.extend(ctx.drives().iter().map(block_info));
+                list.extend(extra);
             }
             Ok(v)
         }
         "query-blockstats" => {
-            let nodes = args
-                .as_ref()
-                .and_then(|a| a.get("query-nodes"))
-                .and_then(Value::as_bool)
-                .unwrap_or(false);
+            let nodes = arg(&args, "query-nodes").and_then(Value::as_bool) == Some(true);
             let mut v = forward(ctx, name, args).await?;
             if let Some(list) = v.as_array_mut() {
-                if !nodes {
-                    list.extend(ctx.drives().iter().map(block_stats));
+                if nodes {
+                    list.retain(|e| !e["node-name"].as_str().is_some_and(own_name));
+                    for d in ctx.drives() {
+                        if !list.iter().any(|e| e["node-name"] == d.drive.as_str()) {
+                            list.extend(synth::node_stats(&d));
+                        }
+                    }
+                } else {
+                    list.extend(ctx.drives().iter().map(synth::block_stats));
                 }
             }
             Ok(v)
         }
-        "human-monitor-command" => {
-            let word = args
-                .as_ref()
-                .and_then(|a| a.get("command-line"))
-                .and_then(Value::as_str)
-                .and_then(|l| l.split_whitespace().next());
-            match word {
-                // A VM snapshot covers every drive QEMU knows: the accelerated ones must be
-                // in QEMU's block layer first, or they are silently left out.
-                Some("savevm" | "loadvm" | "delvm") => {
-                    let held = hold_all(ctx).await?;
-                    let r = forward(ctx, name, args).await;
-                    release(ctx, held).await;
-                    r
-                }
-                _ => forward(ctx, name, args).await,
-            }
-        }
+        "human-monitor-command" => hmp(ctx, args).await,
         "snapshot-save" | "snapshot-load" | "snapshot-delete" => {
-            let job = args
-                .as_ref()
-                .and_then(|a| a.get("job-id"))
+            let job = arg(&args, "job-id")
                 .and_then(Value::as_str)
                 .map(str::to_string);
-            let held = hold_all(ctx).await?;
+            let held = hold_all(ctx, "the VM snapshot").await?;
             let r = forward(ctx, name, args).await;
             match (&r, job) {
                 // A job: the drives stay in QEMU until it ends.
                 (Ok(_), Some(job)) => {
-                    let ctx2 = Ctx {
-                        sup: ctx.sup.clone(),
-                        vm: ctx.vm.clone(),
-                    };
+                    let ctx2 = ctx.again();
                     tokio::spawn(async move {
                         wait_job(&ctx2, &job).await;
                         release(&ctx2, held).await;
@@ -134,11 +232,7 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
             Ok(v)
         }
         "qom-list" => {
-            let objects = args
-                .as_ref()
-                .and_then(|a| a.get("path"))
-                .and_then(Value::as_str)
-                == Some("/objects");
+            let objects = arg(&args, "path").and_then(Value::as_str) == Some("/objects");
             let mut v = forward(ctx, name, args).await?;
             if let (true, Some(list)) = (objects, v.as_array_mut()) {
                 list.retain(|o| !o["name"].as_str().is_some_and(own_name));
@@ -159,60 +253,85 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
             }
             Ok(v)
         }
+        _ if names_nodes(name) => with_drives(ctx, name, args).await,
         _ => forward(ctx, name, args).await,
     }
 }
 
-/// Drives moved to QEMU's block layer for a VM-wide operation, with the pin each had.
-type Held = Vec<(String, Option<policy::Pin>)>;
-
-fn pin_of(p: Option<accel_api::status::PinKind>) -> Option<policy::Pin> {
-    p.map(|p| match p {
-        accel_api::status::PinKind::Qemu => policy::Pin::Qemu,
-        accel_api::status::PinKind::Direct => policy::Pin::Direct,
-    })
-}
-
-/// Puts every drive of the VM on the qemu engine (a temporary pin); fails, releasing what it
-/// moved, if one cannot go.
-async fn hold_all(ctx: &Ctx) -> Result<Held, (String, String)> {
-    let mut held = Vec::new();
-    for d in ctx.drives() {
-        // Drives already on the qemu engine are pinned too: a pin keeps them there even if
-        // what keeps them (a throttle, a job) ends during the operation.
-        let prev = pin_of(d.pin);
-        if prev == Some(policy::Pin::Qemu) {
-            continue;
-        }
-        match ctx
-            .sup
-            .set_pin(&ctx.vm, &d.drive, Some(policy::Pin::Qemu), false)
-            .await
-        {
-            Ok(s) if s.engine == accel_api::status::EngineKind::Qemu => {
-                held.push((d.drive.clone(), prev))
-            }
-            r => {
-                held.push((d.drive.clone(), prev));
-                release(ctx, held).await;
-                let why = r
-                    .err()
-                    .map_or("it stayed where it was".to_string(), |e| e.chain());
-                return Err(generic(format!(
-                    "acceld: cannot move drive '{}' to QEMU's block layer for the snapshot: {why}",
-                    d.drive
-                )));
-            }
-        }
+/// Forwards a block command with the drives it names held on QEMU's block layer.
+async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) -> Reply {
+    let drives = named_drives(&ctx.drives(), &args);
+    if drives.is_empty() {
+        return forward(ctx, name, args).await;
     }
-    Ok(held)
+    let held = hold(ctx, &drives, name, true).await?;
+    let r = forward(ctx, name, args).await;
+    release(ctx, held).await;
+    r
 }
 
-async fn release(ctx: &Ctx, held: Held) {
-    for (drive, prev) in held {
-        if let Err(e) = ctx.sup.set_pin(&ctx.vm, &drive, prev, false).await {
-            tracing::warn!(vm = %ctx.vm, drive, "QMP proxy: cannot release the drive after the snapshot: {}", e.chain());
+async fn hold_all(ctx: &Ctx, why: &str) -> Result<super::hold::Held, (String, String)> {
+    let all: Vec<String> = ctx.drives().into_iter().map(|d| d.drive).collect();
+    hold(ctx, &all, why, true).await
+}
+
+/// `query-block` entries of the VM's drives; QEMU's own description of the data node for a
+/// drive on its block layer.
+async fn block_infos(ctx: &Ctx) -> Vec<Value> {
+    let drives = ctx.drives();
+    let nodes = if drives.iter().any(|d| d.engine == EngineKind::Qemu) {
+        forward(ctx, "query-named-block-nodes", None)
+            .await
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    drives
+        .iter()
+        .map(|d| {
+            let node = nodes.iter().find(|n| n["node-name"] == synth::data_node(d));
+            synth::block_info(d, node.filter(|_| d.engine == EngineKind::Qemu))
+        })
+        .collect()
+}
+
+async fn hmp(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
+    let line = arg(&args, "command-line")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    match words.as_slice() {
+        // A VM snapshot covers every drive QEMU knows: the accelerated ones must be in
+        // QEMU's block layer first, or they are silently left out.
+        ["savevm" | "loadvm" | "delvm", ..] => {
+            let held = hold_all(ctx, "the VM snapshot").await?;
+            let r = forward(ctx, "human-monitor-command", args).await;
+            release(ctx, held).await;
+            r
         }
+        ["info", "block"] => {
+            let v = forward(ctx, "human-monitor-command", args).await?;
+            let mut text = v.as_str().unwrap_or("").to_string();
+            for info in block_infos(ctx).await {
+                if !text.is_empty() {
+                    text += "\r\n";
+                }
+                text += &synth::hmp_block(&info);
+            }
+            Ok(json!(text))
+        }
+        ["info", "blockstats"] => {
+            let v = forward(ctx, "human-monitor-command", args).await?;
+            let mut text = v.as_str().unwrap_or("").to_string();
+            for d in ctx.drives() {
+                text += &synth::hmp_blockstats(&d);
+            }
+            Ok(json!(text))
+        }
+        _ => forward(ctx, "human-monitor-command", args).await,
     }
 }
 
@@ -233,88 +352,10 @@ async fn wait_job(ctx: &Ctx, id: &str) {
     }
 }
 
-/// The six limits every `block_set_io_throttle` carries, in QEMU's order.
-const REQUIRED: [&str; 6] = ["bps", "bps_rd", "bps_wr", "iops", "iops_rd", "iops_wr"];
-/// The optional ones QEMU takes; acceld's throttle does not have them yet.
-const OPTIONAL: [&str; 15] = [
-    "bps_max",
-    "bps_rd_max",
-    "bps_wr_max",
-    "iops_max",
-    "iops_rd_max",
-    "iops_wr_max",
-    "bps_max_length",
-    "bps_rd_max_length",
-    "bps_wr_max_length",
-    "iops_max_length",
-    "iops_rd_max_length",
-    "iops_wr_max_length",
-    "iops_size",
-    "group",
-    "device",
-];
-
-/// QEMU's limit on every throttle value (`THROTTLE_VALUE_MAX`).
-const THROTTLE_VALUE_MAX: i64 = 1_000_000_000_000_000;
-
-/// Parses `block_set_io_throttle`'s arguments as QEMU does (its texts), into acceld's limits
-/// (`None`: all zero, no throttle).
-pub fn parse_throttle(a: &Map<String, Value>) -> Result<Option<ThrottleLimits>, (String, String)> {
-    let mut v = [0i64; 6];
-    for (i, k) in REQUIRED.iter().enumerate() {
-        match a.get(*k) {
-            None => return Err(generic(format!("Parameter '{k}' is missing"))),
-            Some(x) => {
-                v[i] = x.as_i64().ok_or_else(|| {
-                    generic(format!(
-                        "Invalid parameter type for '{k}', expected: integer"
-                    ))
-                })?
-            }
-        }
-    }
-    for k in a.keys() {
-        if k == "id" || REQUIRED.contains(&k.as_str()) {
-            continue;
-        }
-        if !OPTIONAL.contains(&k.as_str()) {
-            return Err(generic(format!("Parameter '{k}' is unexpected")));
-        }
-        let set = match &a[k] {
-            Value::Null => false,
-            Value::Number(n) => n.as_i64() != Some(0),
-            Value::String(_) => k != "device",
-            _ => true,
-        };
-        if set {
-            return Err(generic(format!(
-                "acceld's QMP proxy: '{k}' is not supported on an accelerated drive yet"
-            )));
-        }
-    }
-    if v.iter().any(|&x| !(0..=THROTTLE_VALUE_MAX).contains(&x)) {
-        return Err(generic(format!(
-            "bps/iops/max values must be within [0, {THROTTLE_VALUE_MAX}]"
-        )));
-    }
-    if v.iter().all(|&x| x == 0) {
-        return Ok(None);
-    }
-    let o = |x: i64| (x > 0).then_some(x as u64);
-    Ok(Some(ThrottleLimits {
-        bps_total: o(v[0]),
-        bps_read: o(v[1]),
-        bps_write: o(v[2]),
-        iops_total: o(v[3]),
-        iops_read: o(v[4]),
-        iops_write: o(v[5]),
-    }))
-}
-
 /// Throttling an accelerated drive: QEMU's throttle on the qemu engine (all-zero limits clear
 /// it and the drive goes back to direct). Answers when the drive runs under the new limits.
-async fn throttle(ctx: &Ctx, d: &DriveStatus, a: Map<String, Value>) -> Reply {
-    let limits = parse_throttle(&a)?;
+async fn set_throttle(ctx: &Ctx, d: &DriveStatus, a: Map<String, Value>) -> Reply {
+    let limits = throttle::parse(&a)?;
     if limits.is_none() && d.throttle.is_none() {
         return Ok(json!({}));
     }
@@ -325,135 +366,55 @@ async fn throttle(ctx: &Ctx, d: &DriveStatus, a: Map<String, Value>) -> Reply {
         .map_err(|e| generic(format!("acceld: {}", e.chain())))
 }
 
-/// The drive as QEMU's `query-block` shows a virtio-blk drive on the same node.
-fn block_info(d: &DriveStatus) -> Value {
-    let path = qdev_path(d);
-    let spec = d.spec.clone();
-    let (ro, direct) = spec
-        .as_ref()
-        .map_or((false, true), |s| (s.read_only, s.direct));
-    let actual = std::fs::metadata(&d.image)
-        .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
-        .unwrap_or(0);
-    let t = d.throttle.clone().unwrap_or_default();
-    let n = |x: Option<u64>| x.unwrap_or(0);
-    let mut inserted = json!({
-        "iops_rd": n(t.iops_read), "detect_zeroes": "off", "active": true,
-        "image": {"virtual-size": d.capacity_bytes, "filename": d.image, "format": d.format,
-                  "actual-size": actual, "dirty-flag": false},
-        "iops_wr": n(t.iops_write), "ro": ro, "node-name": d.drive, "backing_file_depth": 0,
-        "drv": d.format, "iops": n(t.iops_total), "bps_wr": n(t.bps_write), "write_threshold": 0,
-        "encrypted": false, "bps": n(t.bps_total), "bps_rd": n(t.bps_read),
-        "cache": {"no-flush": false, "direct": direct, "writeback": d.writeback},
-        "file": d.image,
-    });
-    if d.throttle.is_some() {
-        // QEMU names a device's own throttle group after its QOM path.
-        inserted["group"] = json!(path);
-    }
-    json!({"io-status": if d.io_status.is_empty() { "ok" } else { &d.io_status },
-           "device": "", "locked": false, "removable": false, "inserted": inserted,
-           "qdev": path, "type": "unknown"})
-}
-
-/// acceld's counters as QEMU's `BlockDeviceStats` (monotonic across engine switches).
-fn block_stats(d: &DriveStatus) -> Value {
-    let c = &d.io;
-    let stats = json!({
-        "unmap_operations": c.unmap_operations, "unmap_merged": 0,
-        "failed_zone_append_operations": 0, "flush_total_time_ns": c.flush_total_time_ns,
-        "wr_highest_offset": 0, "wr_total_time_ns": c.wr_total_time_ns,
-        "failed_wr_operations": c.failed_wr_operations,
-        "failed_rd_operations": c.failed_rd_operations, "wr_merged": 0, "wr_bytes": c.wr_bytes,
-        "timed_stats": [], "failed_unmap_operations": c.failed_unmap_operations,
-        "zone_append_merged": 0, "failed_flush_operations": c.failed_flush_operations,
-        "account_invalid": true, "rd_total_time_ns": c.rd_total_time_ns,
-        "invalid_unmap_operations": c.invalid_unmap_operations,
-        "flush_operations": c.flush_operations, "wr_operations": c.wr_operations,
-        "unmap_bytes": c.unmap_bytes, "rd_merged": 0, "rd_bytes": c.rd_bytes,
-        "unmap_total_time_ns": c.unmap_total_time_ns,
-        "invalid_flush_operations": c.invalid_flush_operations, "account_failed": true,
-        "zone_append_total_time_ns": 0, "zone_append_operations": 0,
-        "rd_operations": c.rd_operations, "zone_append_bytes": 0,
-        "invalid_zone_append_operations": 0, "invalid_wr_operations": c.invalid_wr_operations,
-        "invalid_rd_operations": c.invalid_rd_operations,
-    });
-    // A node's own stats (the parent, QEMU's file node) carry no accounting.
-    let mut parent_stats = stats.clone();
-    if let Some(o) = parent_stats.as_object_mut() {
-        for (k, v) in o.iter_mut() {
-            *v = match k.as_str() {
-                "timed_stats" => json!([]),
-                "account_invalid" | "account_failed" => json!(false),
-                _ => json!(0),
-            };
-        }
-    }
-    json!({"device": "", "parent": {"stats": parent_stats, "node-name": format!("{}-file", d.drive),
-           "driver-specific": {"discard-bytes-ok": 0, "discard-nb-ok": 0, "driver": "file",
-                               "discard-nb-failed": 0}},
-           "stats": stats, "node-name": d.drive, "qdev": qdev_path(d)})
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn args(v: Value) -> Map<String, Value> {
+    fn drive(id: &str) -> DriveStatus {
+        let mut d: DriveStatus = serde_json::from_value(json!({
+            "vm": "v", "drive": id, "device": id, "socket": "/s", "image": "/i", "format": "raw",
+            "engine": "direct", "since": 0, "reasons": [], "reason_sentences": [], "pin": null,
+            "throttle": null, "switches": 0, "failed_switches": 0, "last_pause_us": 0,
+            "pauses_to_direct": {"count": 0, "p50_us": 0, "p99_us": 0, "max_us": 0},
+            "pauses_to_qemu": {"count": 0, "p50_us": 0, "p99_us": 0, "max_us": 0},
+            "iops": 0.0, "mbps": 0.0, "p99_us": null, "in_flight": 0, "reads": 0, "writes": 0,
+            "bytes_read": 0, "bytes_written": 0, "errors": 0, "nbd_errors": 0,
+            "broken_queues": 0, "held_requests": 0, "nospace_events": 0, "resubmitted": 0,
+            "io_status": "", "last_error": null, "ring_errors": 0,
+            "io": accel_api::status::IoCounters::default()
+        }))
+        .expect("a drive status");
+        d.data_node = None;
+        d
+    }
+
+    fn args(v: Value) -> Option<Map<String, Value>> {
         match v {
-            Value::Object(m) => m,
-            _ => panic!("an object"),
+            Value::Object(m) => Some(m),
+            _ => None,
         }
     }
 
     #[test]
-    fn throttle_arguments_as_qemu_checks_them() {
-        let base = json!({"id": "x", "bps": 0, "bps_rd": 0, "bps_wr": 0, "iops": 100,
-                          "iops_rd": 0, "iops_wr": 0});
-        let l = parse_throttle(&args(base.clone())).unwrap().unwrap();
-        assert_eq!(l.iops_total, Some(100));
-        assert_eq!(l.bps_total, None);
-        let mut zero = base.clone();
-        zero["iops"] = json!(0);
+    fn drives_named_anywhere_in_a_command() {
+        let ds = [drive("d0"), drive("d1")];
+        let n = |v: Value| named_drives(&ds, &args(v));
+        assert_eq!(n(json!({"node-name": "d0", "snapshot-file": "/x"})), ["d0"]);
         assert_eq!(
-            parse_throttle(&args(zero)).unwrap(),
-            None,
-            "all zero: no throttle"
+            n(
+                json!({"actions": [{"type": "blockdev-snapshot", "data": {"node": "d1", "overlay": "o"}},
+                                 {"type": "blockdev-backup", "data": {"device": "d0-file"}}]})
+            ),
+            ["d1", "d0"]
         );
-        let mut missing = base.clone();
-        missing.as_object_mut().unwrap().remove("iops_rd");
         assert_eq!(
-            parse_throttle(&args(missing)).unwrap_err().1,
-            "Parameter 'iops_rd' is missing"
+            n(json!({"id": "/machine/peripheral/d1/virtio-backend"})),
+            ["d1"]
         );
-        let mut typed = base.clone();
-        typed["bps"] = json!("1");
-        assert_eq!(
-            parse_throttle(&args(typed)).unwrap_err().1,
-            "Invalid parameter type for 'bps', expected: integer"
-        );
-        let mut extra = base.clone();
-        extra["nope"] = json!(1);
-        assert_eq!(
-            parse_throttle(&args(extra)).unwrap_err().1,
-            "Parameter 'nope' is unexpected"
-        );
-        let mut neg = base.clone();
-        neg["bps"] = json!(-1);
-        assert!(parse_throttle(&args(neg))
-            .unwrap_err()
-            .1
-            .contains("must be within"));
-        let mut max = base;
-        max["iops_max"] = json!(0);
-        assert!(
-            parse_throttle(&args(max.clone())).is_ok(),
-            "zero optional limits are fine"
-        );
-        max["iops_max"] = json!(5);
-        assert!(parse_throttle(&args(max))
-            .unwrap_err()
-            .1
-            .contains("not supported"));
+        assert!(n(json!({"node-name": "d00", "x": "/d0"})).is_empty());
+        assert!(names_nodes("blockdev-mirror") && names_nodes("transaction"));
+        assert!(names_nodes("block-commit") && names_nodes("drive-backup"));
+        assert!(!names_nodes("block-job-cancel") && !names_nodes("query-block"));
+        assert!(!names_nodes("job-dismiss") && !names_nodes("blockdev-del"));
     }
 }

@@ -8,7 +8,7 @@
 //! answer for nothing go to `intercept` (docs/qmp-proxy.md).
 //!
 //! Not yet: `exec-oob` (the greeting offers no `oob`), file descriptors (SCM_RIGHTS for
-//! `getfd`/`add-fd`), the snapshot, job and NBD interception of the QMP proxy issue.
+//! `getfd`/`add-fd`).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,8 +25,20 @@ use tracing::{debug, info, warn};
 use crate::supervisor::Supervisor;
 use crate::util::LogLimit;
 
+mod hold;
 mod intercept;
 mod message;
+mod nbd;
+mod synth;
+mod throttle;
+
+/// What every client of a VM's proxy shares: the drives held on QEMU's block layer and
+/// management's NBD server.
+#[derive(Default)]
+pub struct Shared {
+    holds: hold::Holds,
+    nbd: nbd::MgmtNbd,
+}
 
 pub use message::{check_request, Request, Shape};
 
@@ -63,14 +75,16 @@ pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
     info!(vm = %vm, socket = %path.display(), "QMP proxy listening");
     let clients = Arc::new(AtomicU64::new(0));
     let log = Arc::new(LogLimit::default());
+    let shared = Arc::new(Shared::default());
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tokio::select! {
             r = listener.accept() => match r {
                 Ok((stream, _)) => {
                     let n = clients.fetch_add(1, Ordering::Relaxed);
-                    let (s, v, l) = (sup.clone(), vm.clone(), log.clone());
-                    tokio::spawn(async move { client(s, v, n, stream, l).await });
+                    let ctx = intercept::Ctx { sup: sup.clone(), vm: vm.clone(), shared: shared.clone() };
+                    let l = log.clone();
+                    tokio::spawn(async move { client(ctx, n, stream, l).await });
                 }
                 Err(e) => {
                     if let Some(n) = log.admit() {
@@ -83,6 +97,7 @@ pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
                 if !sup.vm_names().contains(&vm) {
                     // forget_vm removed the socket; a re-registration started a new proxy.
                     debug!(vm = %vm, "QMP proxy ends: VM unregistered");
+                    nbd::shutdown(&shared.nbd).await;
                     return Ok(());
                 }
             }
@@ -130,7 +145,8 @@ fn own_event(ev: &qmp_client::Event) -> bool {
     }
 }
 
-async fn client(sup: Arc<Supervisor>, vm: String, n: u64, stream: UnixStream, log: Arc<LogLimit>) {
+async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLimit>) {
+    let (sup, vm) = (ctx.sup.clone(), ctx.vm.clone());
     // QEMU's greeting needs QEMU: wait for acceld to be attached (the client waits as it would
     // for a QEMU that is starting).
     let qmp = loop {
@@ -163,10 +179,6 @@ async fn client(sup: Arc<Supervisor>, vm: String, n: u64, stream: UnixStream, lo
     };
     let mut buf: Vec<u8> = Vec::new();
     let mut chunk = vec![0u8; 64 * 1024];
-    let ctx = intercept::Ctx {
-        sup: sup.clone(),
-        vm: vm.clone(),
-    };
     'read: loop {
         let got = match rd.read(&mut chunk).await {
             Ok(0) | Err(_) => break,

@@ -45,6 +45,11 @@ pub struct Intent {
     /// The pin survives an acceld restart.
     pub pin_persistent: bool,
     pub throttle: Option<ThrottleLimits>,
+    /// acceld's export must run in QEMU's main loop, not in acceld's iothread: QEMU 10.0
+    /// cannot insert a backup job's filter over a node in an iothread (it asserts or hangs,
+    /// measured), so the QMP proxy asks for this before a backup. Cleared when the drive
+    /// goes direct.
+    pub main_loop_export: bool,
 }
 
 #[derive(Debug, Default)]
@@ -56,6 +61,13 @@ pub struct GraphRecord {
     pub recorded: Option<Recorded>,
     /// The throttle QEMU has now (qemu engine only).
     pub applied_throttle: Option<ThrottleLimits>,
+    /// The node under acceld's export (and filter) when it is no longer the drive's own:
+    /// QEMU moved the export's backend onto an external snapshot's overlay or, at a mirror's
+    /// pivot, onto its target. The guest's data is there; the drive cannot go direct on its
+    /// image, and a re-created export goes on this node. Learnt at every look at QEMU.
+    pub data_node: Option<String>,
+    /// acceld's export runs in QEMU's main loop (created without acceld's iothread).
+    pub export_main_loop: bool,
 }
 
 #[derive(Debug, Default)]

@@ -236,6 +236,16 @@ impl Supervisor {
         self.vm(name)?.qmp()
     }
 
+    /// Starts QEMU's one NBD server on acceld's socket of the VM (or finds it started) and
+    /// returns that socket: the QMP proxy serves management's NBD server through it.
+    pub async fn ensure_nbd_server(&self, name: &str) -> Result<std::path::PathBuf, SupError> {
+        let vmr = self.vm(name)?;
+        let qmp = vmr.qmp()?;
+        let sock = vmr.nbd_socket();
+        self.start_nbd_server(&qmp, &sock).await?;
+        Ok(sock)
+    }
+
     /// Where a VM's QMP proxy listens: `RUN_DIR/VM/monitor.sock`.
     pub fn monitor_socket(&self, name: &str) -> std::path::PathBuf {
         self.cfg.run_dir.join(name).join("monitor.sock")
@@ -303,6 +313,30 @@ impl Supervisor {
         self.act_now(&vmr, &d, true).await
     }
 
+    /// Has the drive's export run in QEMU's main loop (re-created there if it runs in acceld's
+    /// iothread) until the drive next goes direct. QEMU 10.0 changes a graph badly while an
+    /// NBD export in an iothread has requests in flight (measured: a backup's filter asserts in
+    /// `bdrv_insert_node`; snapshots and backups sometimes hang the main loop in a drain), and
+    /// management changes the graph while the guest's I/O flows. The QMP proxy asks for this
+    /// before every block command on the drive. The drive must be on the qemu engine (or go
+    /// there, with a pin).
+    pub async fn export_in_main_loop(
+        self: &Arc<Self>,
+        vm: &str,
+        drive: &str,
+    ) -> Result<DriveStatus, SupError> {
+        let vmr = self.vm(vm)?;
+        let d = vmr.drive(drive)?;
+        if lock(&d.graph).data_node.is_some() {
+            // Re-creating the export would drop an implicit overlay (see set_throttle); the
+            // export stays where it is (in the main loop already if the proxy made the
+            // overlay).
+            return Ok(status::drive_status(&vmr, &d));
+        }
+        lock(&d.intent).main_loop_export = true;
+        self.act_now(&vmr, &d, true).await
+    }
+
     /// Retries the drive's held requests now (`accelctl resume`), e.g. after space was freed.
     pub fn resume(&self, vm: &str, drive: &str) -> Result<DriveStatus, SupError> {
         let vmr = self.vm(vm)?;
@@ -326,6 +360,18 @@ impl Supervisor {
             return Err(SupError::Invalid(
                 "no limit given: name at least one, or clear the throttle".into(),
             ));
+        }
+        let data_node = lock(&d.graph).data_node.clone();
+        if let Some(n) = data_node {
+            // Adding or removing acceld's filter re-creates the export; a node QEMU made
+            // implicitly (blockdev-snapshot-sync's overlay) lives only as long as its users,
+            // so it would be gone. New limits on an existing throttle are fine.
+            if lock(&d.intent).throttle.is_some() != limits.is_some() {
+                return Err(SupError::Invalid(format!(
+                    "the guest's data is on node '{n}' now (an external snapshot or a mirror's pivot): \
+                     acceld cannot add or remove its throttle there yet; commit the overlay first"
+                )));
+            }
         }
         let urgent = limits.is_some();
         lock(&d.intent).throttle = limits;

@@ -57,6 +57,14 @@ pub(super) async fn snapshot(qmp: &Qmp) -> Result<QemuSnapshot, SupError> {
 /// The policy's view of a drive, with acceld's own export and throttle filter taken out of
 /// the parents, and the recorded nodes standing in for removed ones.
 pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
+    if let Some(n) = served_node(d.id(), snap) {
+        let mut g = lock(&d.graph);
+        let data = (n != d.id()).then_some(n);
+        if g.data_node != data {
+            tracing::info!(drive = d.id(), from = ?g.data_node, to = ?data, "the guest's data moved to another QEMU node");
+            g.data_node = data;
+        }
+    }
     let ctx = policy::qemu::DriveContext {
         vm: snap.vm.clone(),
         memory_shared: true,
@@ -114,17 +122,49 @@ pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
     v
 }
 
-/// The policy's decision, with an operator's throttle as one more reason for QEMU.
+/// The node under acceld's export (below its throttle filter), if the export exists and the
+/// graph says.
+fn served_node(id: &str, snap: &QemuSnapshot) -> Option<String> {
+    let e = snap.exports.iter().find(|e| e.id == export_id(id))?;
+    if e.node_name != filter_node(id) {
+        return Some(e.node_name.clone());
+    }
+    let g = snap.graph.as_ref()?;
+    let f = g
+        .nodes
+        .iter()
+        .find(|(_, t, n)| t == "block-driver" && *n == e.node_name)?
+        .0;
+    let child = g.edges.iter().find(|(p, _, n)| *p == f && n == "file")?.1;
+    g.nodes
+        .iter()
+        .find(|(i, _, _)| *i == child)
+        .map(|(_, _, n)| n.clone())
+}
+
+/// The policy's decision, with an operator's throttle and a moved data node as more reasons
+/// for QEMU.
 pub(super) fn decide(d: &ManagedDrive, view: &DriveView) -> Decision {
+    let mut extra = Vec::new();
+    if lock(&d.intent).throttle.is_some() {
+        extra.push(Reason::Throttle);
+    }
+    if let Some(n) = lock(&d.graph).data_node.clone() {
+        extra.push(Reason::NodeInUse(format!(
+            "node '{n}', which holds the guest's data now (an external snapshot or a mirror's pivot)"
+        )));
+    }
     let dec = policy::decide(view);
-    if lock(&d.intent).throttle.is_none() {
+    if extra.is_empty() {
         return dec;
     }
     match dec {
-        Decision::Accelerate(_) => Decision::Qemu(vec![Reason::Throttle]),
+        Decision::Accelerate(_) => Decision::Qemu(extra),
         Decision::Qemu(mut r) => {
-            if !r.contains(&Reason::Throttle) {
-                r.push(Reason::Throttle);
+            for x in extra {
+                if !r.contains(&x) {
+                    r.push(x);
+                }
             }
             Decision::Qemu(r)
         }

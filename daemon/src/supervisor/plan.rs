@@ -40,6 +40,9 @@ pub struct PlanInput<'a> {
     pub applied_throttle: Option<&'a ThrottleLimits>,
     /// acceld's NBD export of the drive exists in QEMU.
     pub export_present: bool,
+    /// The export runs in the other AioContext than the one asked for (main loop or
+    /// acceld's iothread): it must be re-created.
+    pub export_context_stale: bool,
     pub quiet: Quiet,
     pub quiet_period: Duration,
     /// An operator asked: skip the quiet period.
@@ -59,6 +62,9 @@ pub enum ToQemu {
     ExportGone,
     /// On the qemu engine, and a throttle was added or removed: the graph must change.
     ThrottleChanged,
+    /// On the qemu engine, and the export must move between QEMU's main loop and acceld's
+    /// iothread.
+    ExportContext,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -136,6 +142,8 @@ pub fn plan(i: &PlanInput<'_>) -> Plan {
         (Decision::Qemu(_), EngineKind::Qemu) => {
             let action = if !i.export_present {
                 Action::ToQemu(ToQemu::ExportGone)
+            } else if i.export_context_stale {
+                Action::ToQemu(ToQemu::ExportContext)
             } else {
                 match (i.want_throttle, i.applied_throttle) {
                     (Some(w), Some(h)) if w != h => Action::Retune(w.clone()),
@@ -205,6 +213,7 @@ mod tests {
             want_throttle: want.as_ref(),
             applied_throttle: have.as_ref(),
             export_present: c.export,
+            export_context_stale: false,
             quiet: c.quiet,
             quiet_period: Q,
             urgent: c.urgent,
@@ -222,6 +231,7 @@ mod tests {
             Action::ToQemu(ToQemu::Decision) => "qemu".into(),
             Action::ToQemu(ToQemu::ExportGone) => "qemu:export-gone".into(),
             Action::ToQemu(ToQemu::ThrottleChanged) => "qemu:throttle".into(),
+            Action::ToQemu(ToQemu::ExportContext) => "qemu:context".into(),
             Action::Retune(l) => format!("retune:{}", l.iops_total.unwrap_or(0)),
         }
     }
@@ -369,5 +379,32 @@ mod tests {
             }
         }
         assert_eq!(n, 2 * 3 * 2 * 3 * 3 * 2 * 3 * 4);
+    }
+
+    #[test]
+    fn export_in_the_wrong_context_is_re_created_on_the_qemu_engine_only() {
+        let dec = Decision::Qemu(vec![Reason::BlockJob("backup".into())]);
+        let input = |engine, export_present, stale, migrating| PlanInput {
+            decision: &dec,
+            engine,
+            has_device: true,
+            want_throttle: None,
+            applied_throttle: None,
+            export_present,
+            export_context_stale: stale,
+            quiet: Quiet::NotRunning,
+            quiet_period: Q,
+            urgent: false,
+            migrating,
+        };
+        let a = |i: PlanInput<'_>| name(&plan(&i).action);
+        assert_eq!(a(input(Qemu, true, true, false)), "qemu:context");
+        assert_eq!(a(input(Qemu, true, false, false)), "stay");
+        // A missing export is re-created anyway (in the context asked for).
+        assert_eq!(a(input(Qemu, false, true, false)), "qemu:export-gone");
+        // Going to QEMU creates the export in the right context: nothing special.
+        assert_eq!(a(input(Direct, false, true, false)), "qemu");
+        // A migration moves nothing.
+        assert_eq!(a(input(Qemu, true, true, true)), "stay");
     }
 }

@@ -112,6 +112,12 @@ impl Supervisor {
                 .await?;
             }
         }
+        // The guest's data: the drive's node, or what QEMU moved the export onto (an
+        // overlay, a mirror's target) before this re-creation.
+        let data = lock(&d.graph)
+            .data_node
+            .clone()
+            .unwrap_or_else(|| id.to_string());
         let top = match throttle {
             Some(l) => {
                 qmp_run(
@@ -122,7 +128,7 @@ impl Supervisor {
                 let r = qmp_run(
                     qmp,
                     &BlockdevAdd(json!({"driver": "throttle", "node-name": filter_node(id),
-                                        "throttle-group": group_id(id), "file": id})),
+                                        "throttle-group": group_id(id), "file": data})),
                 )
                 .await;
                 if let Err(e) = r {
@@ -131,21 +137,25 @@ impl Supervisor {
                 }
                 filter_node(id)
             }
-            None => id.to_string(),
+            None => data,
         };
         self.start_nbd_server(qmp, nbd_socket).await?;
+        let main_loop = lock(&d.intent).main_loop_export;
         qmp_run(
             qmp,
             &BlockExportAdd::nbd(
                 &export_id(id),
                 &top,
                 !d.spec.read_only,
-                Some(&self.cfg.iothread),
+                (!main_loop).then_some(self.cfg.iothread.as_str()),
             )
-            .nbd_named(id),
+            // Named like the export, not like the node: management's own export of the
+            // node (named after it by default) must not collide with acceld's.
+            .nbd_named(&export_id(id)),
         )
         .await?;
-        Ok(id.to_string())
+        lock(&d.graph).export_main_loop = main_loop;
+        Ok(export_id(id))
     }
 
     /// Starts QEMU's NBD server on acceld's socket of the VM, or finds it started.

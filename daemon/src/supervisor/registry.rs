@@ -243,12 +243,15 @@ impl Supervisor {
                 pin: sd.pin,
                 pin_persistent: sd.pin.is_some(),
                 throttle: sd.throttle,
+                main_loop_export: false,
             },
             GraphRecord {
                 device: None,
                 nodes_removed: sd.nodes_removed,
                 recorded: sd.recorded,
                 applied_throttle: None,
+                data_node: None,
+                export_main_loop: false,
             },
         )))
     }

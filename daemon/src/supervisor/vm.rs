@@ -414,6 +414,7 @@ impl Supervisor {
         let want = lock(&d.intent).throttle.clone();
         let have = lock(&d.graph).applied_throttle.clone();
         let accel_since = lock(&d.placement).accel_since;
+        let context_stale = lock(&d.intent).main_loop_export != lock(&d.graph).export_main_loop;
         let p = plan::plan(&PlanInput {
             decision: &decision,
             engine: d.engine_kind(),
@@ -421,6 +422,7 @@ impl Supervisor {
             want_throttle: want.as_ref(),
             applied_throttle: have.as_ref(),
             export_present: snap.has_export(d.id()),
+            export_context_stale: context_stale,
             quiet: accel_since.map_or(Quiet::NotRunning, |t| Quiet::Running(t.elapsed())),
             quiet_period: self.cfg.quiet_period(),
             urgent,

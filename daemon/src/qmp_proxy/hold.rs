@@ -1,0 +1,154 @@
+//! Holding drives on QEMU's block layer for a command that needs their nodes: one count per
+//! drive, shared by every client of the VM's proxy, so that overlapping commands (two
+//! clients, a VM snapshot and a job) neither release a drive early nor leave a pin behind.
+
+use std::collections::HashMap;
+
+use accel_api::status::{EngineKind, PinKind};
+use policy::Pin;
+use tracing::warn;
+
+use super::intercept::Ctx;
+
+/// A held drive: how many commands hold it, and the pin it had before the first (when the
+/// hold changed it).
+struct Entry {
+    holders: usize,
+    restore: Option<Option<Pin>>,
+}
+
+#[derive(Default)]
+pub struct Holds {
+    held: tokio::sync::Mutex<HashMap<String, Entry>>,
+}
+
+/// What one command holds; give it back with [`release`].
+#[must_use]
+pub struct Held(Vec<String>);
+
+fn pin_of(p: Option<PinKind>) -> Option<Pin> {
+    p.map(|p| match p {
+        PinKind::Qemu => Pin::Qemu,
+        PinKind::Direct => Pin::Direct,
+    })
+}
+
+/// Puts the drives on the qemu engine (a temporary pin on the first hold) and keeps them
+/// there until released. Fails, giving back what it took, if one cannot go; the error is
+/// QEMU-shaped (class, text).
+/// `main_loop`: the command changes the block graph, which QEMU 10.0 does badly around an NBD
+/// export in an iothread with requests in flight: acceld's export moves to QEMU's main loop
+/// first.
+pub async fn hold(
+    ctx: &Ctx,
+    drives: &[String],
+    why: &str,
+    main_loop: bool,
+) -> Result<Held, (String, String)> {
+    let mut taken = Held(Vec::new());
+    for drive in drives {
+        if taken.0.contains(drive) {
+            continue;
+        }
+        let mut map = ctx.shared.holds.held.lock().await;
+        if let Some(e) = map.get_mut(drive) {
+            e.holders += 1;
+            taken.0.push(drive.clone());
+            if main_loop {
+                if let Err(e) = in_main_loop(ctx, drive, why).await {
+                    drop(map);
+                    release(ctx, taken).await;
+                    return Err(e);
+                }
+            }
+            continue;
+        }
+        let status = ctx.drives().into_iter().find(|d| &d.drive == drive);
+        let prev = status.as_ref().and_then(|d| pin_of(d.pin));
+        let r = if prev == Some(Pin::Qemu) {
+            Ok(None)
+        } else {
+            ctx.sup
+                .set_pin(&ctx.vm, drive, Some(Pin::Qemu), false)
+                .await
+                .map_err(|e| e.chain())
+                .and_then(|s| {
+                    if s.engine == EngineKind::Qemu {
+                        Ok(Some(prev))
+                    } else {
+                        Err(format!("it stayed on the {:?} engine", s.engine))
+                    }
+                })
+        };
+        match r {
+            Ok(changed) => {
+                map.insert(
+                    drive.clone(),
+                    Entry {
+                        holders: 1,
+                        restore: changed,
+                    },
+                );
+                taken.0.push(drive.clone());
+                if main_loop {
+                    if let Err(e) = in_main_loop(ctx, drive, why).await {
+                        drop(map);
+                        release(ctx, taken).await;
+                        return Err(e);
+                    }
+                }
+            }
+            Err(why_not) => {
+                // Undo the pin set by the failed attempt, then what was taken before.
+                let _ = ctx.sup.set_pin(&ctx.vm, drive, prev, false).await;
+                drop(map);
+                release(ctx, taken).await;
+                return Err((
+                    "GenericError".into(),
+                    format!(
+                        "acceld: cannot move drive '{drive}' to QEMU's block layer for {why}: {why_not}"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(taken)
+}
+
+async fn in_main_loop(ctx: &Ctx, drive: &str, why: &str) -> Result<(), (String, String)> {
+    match ctx.sup.export_in_main_loop(&ctx.vm, drive).await {
+        Ok(s) if s.engine == EngineKind::Qemu => Ok(()),
+        r => Err((
+            "GenericError".into(),
+            format!(
+                "acceld: cannot serve drive '{drive}' from QEMU's main loop for {why}: {}",
+                r.map_or_else(
+                    |e| e.chain(),
+                    |s| format!("it is on the {:?} engine", s.engine)
+                )
+            ),
+        )),
+    }
+}
+
+/// Gives the drives back: the last holder restores the pin each had (the policy then decides
+/// whether the drive goes back to direct: a job, an overlay or an export keep it in QEMU).
+pub async fn release(ctx: &Ctx, held: Held) {
+    for drive in held.0 {
+        let mut map = ctx.shared.holds.held.lock().await;
+        let Some(e) = map.get_mut(&drive) else {
+            continue;
+        };
+        e.holders -= 1;
+        if e.holders > 0 {
+            continue;
+        }
+        let changed = e.restore;
+        map.remove(&drive);
+        if let Some(prev) = changed {
+            if let Err(e) = ctx.sup.set_pin(&ctx.vm, &drive, prev, false).await {
+                warn!(vm = %ctx.vm, drive, "QMP proxy: cannot release the drive: {}", e.chain());
+            }
+        }
+    }
+}

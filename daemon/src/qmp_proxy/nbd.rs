@@ -1,0 +1,219 @@
+//! Management's NBD server, virtualized. QEMU has one NBD server, and acceld's qemu engine
+//! uses it (on acceld's socket in the VM's run dir); a real `nbd-server-stop` would delete
+//! every NBD export, acceld's included, and fail the guest's I/O. So the proxy answers
+//! `nbd-server-start`/`-stop` itself: it listens on management's address and pipes each
+//! connection to QEMU's server, where management's exports (`block-export-add`, forwarded)
+//! live next to acceld's. Management's stop closes its listener and connections and deletes
+//! the NBD exports management added, as QEMU's own stop would; acceld's stay.
+
+use std::path::PathBuf;
+
+use serde_json::{json, Map, Value};
+use tokio::net::{TcpListener, UnixListener, UnixStream};
+use tokio::task::JoinHandle;
+use tracing::{debug, info};
+
+use super::forward;
+use super::intercept::Ctx;
+
+type Reply = Result<Value, (String, String)>;
+
+fn generic(desc: impl Into<String>) -> (String, String) {
+    ("GenericError".into(), desc.into())
+}
+
+#[derive(Default)]
+pub struct MgmtNbd {
+    server: tokio::sync::Mutex<Option<Server>>,
+}
+
+struct Server {
+    task: JoinHandle<()>,
+    /// The unix socket management asked for (removed at stop, as QEMU does).
+    unix_path: Option<PathBuf>,
+    /// NBD exports management added while its server ran (deleted at stop).
+    exports: Vec<String>,
+}
+
+impl MgmtNbd {
+    pub async fn running(&self) -> bool {
+        self.server.lock().await.is_some()
+    }
+
+    pub async fn added(&self, id: &str) {
+        if let Some(s) = self.server.lock().await.as_mut() {
+            s.exports.push(id.to_string());
+        }
+    }
+
+    pub async fn deleted(&self, id: &str) {
+        if let Some(s) = self.server.lock().await.as_mut() {
+            s.exports.retain(|e| e != id);
+        }
+    }
+}
+
+enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+/// `nbd-server-start` from management.
+pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
+    let mut guard = ctx.shared.nbd.server.lock().await;
+    // acceld's server runs on acceld's socket (started now if no drive needed it yet). QEMU
+    // then checks the arguments (its own texts) and refuses the second start: that refusal
+    // says the arguments are valid.
+    let upstream = ctx.sup.ensure_nbd_server(&ctx.vm).await.map_err(|e| {
+        generic(format!(
+            "acceld: cannot start QEMU's NBD server: {}",
+            e.chain()
+        ))
+    })?;
+    match forward(ctx, "nbd-server-start", args.clone()).await {
+        Err((class, desc)) if class == "GenericError" && desc == "NBD server already running" => {}
+        Err(e) => return Err(e),
+        Ok(_) => return Err(generic(
+            "acceld: QEMU started a second NBD server (unexpected); stop it with nbd-server-stop",
+        )),
+    }
+    if guard.is_some() {
+        return Err(generic("NBD server already running"));
+    }
+    let a = args.unwrap_or_default();
+    for k in ["tls-creds", "tls-authz"] {
+        if a.get(k).is_some_and(|v| !v.is_null()) {
+            return Err(generic(format!(
+                "acceld's QMP proxy: '{k}' is not supported for management's NBD server on an accelerated VM yet"
+            )));
+        }
+    }
+    let max = a
+        .get("max-connections")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let addr = &a["addr"];
+    let data = &addr["data"];
+    let (listener, unix_path) = match addr["type"].as_str() {
+        Some("unix") => {
+            let Some(path) = data["path"].as_str() else {
+                return Err(generic("acceld's QMP proxy: a unix address needs a path"));
+            };
+            if data["abstract"] == true {
+                return Err(generic(
+                    "acceld's QMP proxy: abstract unix sockets are not supported yet",
+                ));
+            }
+            let _ = std::fs::remove_file(path);
+            let l = UnixListener::bind(path).map_err(|e| {
+                generic(format!("Failed to bind socket to {path}: {e}"))
+            })?;
+            (Listener::Unix(l), Some(PathBuf::from(path)))
+        }
+        Some("inet") => {
+            let host = data["host"].as_str().unwrap_or("");
+            let port = data["port"].as_str().unwrap_or("");
+            let l = TcpListener::bind((host, port.parse::<u16>().unwrap_or(0)))
+                .await
+                .map_err(|e| generic(format!("Failed to bind socket to {host}:{port}: {e}")))?;
+            (Listener::Tcp(l), None)
+        }
+        other => {
+            return Err(generic(format!(
+                "acceld's QMP proxy: NBD server address type {} is not supported yet (unix and inet are)",
+                other.unwrap_or("?")
+            )))
+        }
+    };
+    info!(vm = %ctx.vm, ?unix_path, "management's NBD server starts (piped to QEMU's server)");
+    let task = tokio::spawn(serve(listener, upstream, max));
+    *guard = Some(Server {
+        task,
+        unix_path,
+        exports: Vec::new(),
+    });
+    Ok(json!({}))
+}
+
+async fn serve(l: Listener, upstream: PathBuf, max: u64) {
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        while conns.try_join_next().is_some() {}
+        let client: Box<dyn Pipe> = match &l {
+            Listener::Unix(u) => match u.accept().await {
+                Ok((s, _)) => Box::new(s),
+                Err(_) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            Listener::Tcp(t) => match t.accept().await {
+                Ok((s, _)) => {
+                    let _ = s.set_nodelay(true);
+                    Box::new(s)
+                }
+                Err(_) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        if max > 0 && conns.len() as u64 >= max {
+            // QEMU stops listening at the limit; a client past it is closed at once.
+            drop(client);
+            continue;
+        }
+        let up = upstream.clone();
+        conns.spawn(async move {
+            let mut client = client;
+            match UnixStream::connect(&up).await {
+                Ok(mut server) => {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+                Err(e) => debug!("management NBD client: QEMU's server: {e}"),
+            }
+        });
+    }
+    // JoinSet aborts the connections when the task is aborted (dropped).
+}
+
+trait Pipe: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Pipe for T {}
+
+/// `nbd-server-stop` from management.
+pub async fn stop(ctx: &Ctx) -> Reply {
+    let Some(s) = ctx.shared.nbd.server.lock().await.take() else {
+        return Err(generic("NBD server not running"));
+    };
+    s.task.abort();
+    let _ = s.task.await;
+    if let Some(p) = &s.unix_path {
+        let _ = std::fs::remove_file(p);
+    }
+    for id in &s.exports {
+        let r = forward(
+            ctx,
+            "block-export-del",
+            Some(Map::from_iter([
+                ("id".to_string(), json!(id)),
+                ("mode".to_string(), json!("hard")),
+            ])),
+        )
+        .await;
+        if let Err((_, e)) = r {
+            debug!(vm = %ctx.vm, export = %id, "management's export at NBD stop: {e}");
+        }
+    }
+    info!(vm = %ctx.vm, "management's NBD server stopped");
+    Ok(json!({}))
+}
+
+/// Stops management's server when the VM goes away.
+pub async fn shutdown(n: &MgmtNbd) {
+    if let Some(s) = n.server.lock().await.take() {
+        s.task.abort();
+        if let Some(p) = &s.unix_path {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
