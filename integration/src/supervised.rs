@@ -259,6 +259,34 @@ impl SideQmp {
         self.rt.block_on(self.qmp.execute_raw(name, a))
     }
 
+    /// Events from now on (take it before the command that causes them).
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<qmp_client::Event> {
+        self.qmp.events()
+    }
+
+    /// The next event `name` whose data satisfies `want`, within `timeout`.
+    pub fn wait_event(
+        &self,
+        rx: &mut tokio::sync::broadcast::Receiver<qmp_client::Event>,
+        name: &str,
+        want: impl Fn(&Value) -> bool,
+        timeout: Duration,
+    ) -> Result<qmp_client::Event> {
+        self.rt.block_on(async {
+            tokio::time::timeout(timeout, async {
+                loop {
+                    match rx.recv().await {
+                        Ok(e) if e.name == name && want(&e.data) => return Ok(e),
+                        Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                        Err(e) => bail!("QMP events ended: {e}"),
+                    }
+                }
+            })
+            .await
+            .map_err(|_| anyhow::anyhow!("no {name} event within {timeout:?}"))?
+        })
+    }
+
     /// The throttle filter nodes QEMU has: (node name, group).
     pub fn throttle_filters(&self) -> Result<Vec<String>> {
         let nodes = self.cmd("query-named-block-nodes", serde_json::json!({"flat": true}))?;

@@ -509,3 +509,85 @@ fn copy_storage_to_a_blank_image() -> Result<()> {
     println!("copy-storage: guest {iters} verified iterations on the new image, 0 errors, its md5 matches");
     Ok(())
 }
+
+/// What libvirt does, through acceld's QMP proxy: management sets `pause-before-switchover`,
+/// migrates a drive that is on QEMU's block layer (throttled through the proxy), waits for the
+/// `pre-switchover` event and sends `migrate-continue`. The proxy passes the event on only
+/// when acceld's export is off the node, so the migration completes; the guest verifies.
+#[test]
+fn management_migrates_through_the_proxy_with_its_own_pause() -> Result<()> {
+    let _one = one_at_a_time();
+    let Hosts {
+        dir,
+        img,
+        drive,
+        a,
+        b,
+    } = two_hosts("mig-proxy")?;
+    let src = writer_on(&a, dir.path(), "a", &drive)?;
+    let proxy = accel_integration::supervised::SideQmp::connect(
+        &a.run_dir.join("vm1").join("monitor.sock"),
+    )?;
+    proxy.cmd(
+        "block_set_io_throttle",
+        json!({"id": "/machine/peripheral/d0/virtio-backend", "bps": 0, "bps_rd": 0,
+               "bps_wr": 0, "iops": 2000, "iops_rd": 0, "iops_wr": 0}),
+    )?;
+    assert_eq!(a.drive("vm1", "d0")?["engine"], "qemu");
+    let mut src = src;
+    src.guest.wait_for("progress=", Duration::from_secs(60))?;
+    // The destination, as libvirt would start it on the other host.
+    let dqmp = dir.path().join("qmp-b.sock");
+    register(&b, &dqmp, &drive, true)?;
+    let mig = dir.path().join("mig.sock");
+    let uri = format!("unix:{}", mig.display());
+    let mut dst = boot(
+        &b,
+        &dir.path().join("side-b.sock"),
+        &["-incoming".to_string(), uri.clone()],
+        &writer_script("/dev/vda", WORKERS, BLOCKS),
+    )?;
+    dst.wait_status("inmigrate", Duration::from_secs(60))?;
+    proxy.cmd(
+        "migrate-set-capabilities",
+        json!({"capabilities": [{"capability": "events", "state": true},
+                                {"capability": "pause-before-switchover", "state": true}]}),
+    )?;
+    let mut events = proxy.subscribe();
+    proxy.cmd("migrate", json!({ "uri": uri }))?;
+    proxy.wait_event(
+        &mut events,
+        "MIGRATION",
+        |d| d["status"] == "pre-switchover",
+        Duration::from_secs(120),
+    )?;
+    // By now acceld's export is off the node (the proxy held the event back until then).
+    let exports = src.side.cmd("query-block-exports", Value::Null)?;
+    assert!(
+        !exports
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["id"] == "accel-d0"),
+        "acceld's export is gone at pre-switchover: {exports}"
+    );
+    proxy.cmd("migrate-continue", json!({"state": "pre-switchover"}))?;
+    proxy.wait_event(
+        &mut events,
+        "MIGRATION",
+        |d| d["status"] == "completed" || d["status"] == "failed",
+        Duration::from_secs(60),
+    )?;
+    let m = proxy.cmd("query-migrate", Value::Null)?;
+    assert_eq!(m["status"], "completed", "{m}");
+    dst.wait_status("running", Duration::from_secs(30))?;
+    b.wait_engine("vm1", "d0", "direct", Duration::from_secs(20))?;
+    proxy.cmd("quit", Value::Null)?;
+    src.guest.wait_exit(Duration::from_secs(30))?;
+    let iters = verify_guest(&mut dst, &img)?;
+    println!(
+        "management migrated through the proxy (downtime {} ms); guest {iters} verified iterations, 0 errors",
+        m["downtime"]
+    );
+    Ok(())
+}

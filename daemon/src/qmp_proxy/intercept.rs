@@ -134,6 +134,7 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
             "acceld's QMP proxy: block_resize of an accelerated drive is not supported yet \
              (the guest would not see the new size)",
         )),
+        "migrate-set-capabilities" => migrate_caps(ctx, args).await,
         "nbd-server-start" => nbd::start(ctx, args).await,
         "nbd-server-stop" => nbd::stop(ctx).await,
         "block-export-add" => {
@@ -350,6 +351,43 @@ async fn wait_job(ctx: &Ctx, id: &str) {
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+}
+
+/// Management's `pause-before-switchover`: when it turns it on, the pause is management's
+/// (it continues the migration, after acceld's part: the proxy holds the event back until
+/// then). When it turns it off while a drive is on QEMU's block layer, acceld keeps it on and
+/// continues the migration itself (the drive's export must come off its node first).
+async fn migrate_caps(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
+    let pause = arg(&args, "capabilities")
+        .and_then(Value::as_array)
+        .and_then(|l| {
+            l.iter()
+                .find(|c| c["capability"] == "pause-before-switchover")
+                .and_then(|c| c["state"].as_bool())
+        });
+    let Some(on) = pause else {
+        return forward(ctx, "migrate-set-capabilities", args).await;
+    };
+    let any_qemu = ctx.drives().iter().any(|d| d.engine == EngineKind::Qemu);
+    let mut args = args;
+    if !on && any_qemu {
+        if let Some(l) = args
+            .as_mut()
+            .and_then(|a| a.get_mut("capabilities"))
+            .and_then(Value::as_array_mut)
+        {
+            for c in l.iter_mut() {
+                if c["capability"] == "pause-before-switchover" {
+                    c["state"] = json!(true);
+                }
+            }
+        }
+    }
+    let r = forward(ctx, "migrate-set-capabilities", args).await;
+    if r.is_ok() {
+        ctx.sup.management_set_pause(&ctx.vm, on, any_qemu);
+    }
+    r
 }
 
 /// Throttling an accelerated drive: QEMU's throttle on the qemu engine (all-zero limits clear

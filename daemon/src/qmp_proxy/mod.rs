@@ -295,6 +295,21 @@ async fn forward_events(sup: Arc<Supervisor>, vm: String, w: Writer, negotiated:
                     if !negotiated.load(Ordering::Acquire) || own_event(&ev) {
                         continue;
                     }
+                    if ev.name == "MIGRATION" && ev.data["status"] == "pre-switchover" {
+                        if !sup.management_owns_pause(&vm) {
+                            // acceld's own pause: management did not ask for it, and acceld
+                            // continues the migration itself.
+                            continue;
+                        }
+                        // Management continues the migration when it sees this: acceld's
+                        // part (its exports off the nodes) must be done first.
+                        if !sup
+                            .pre_switchover_done(&vm, ev.timestamp, Duration::from_secs(30))
+                            .await
+                        {
+                            warn!(vm = %vm, "pre-switchover: acceld's part did not finish in 30 s; passing the event on");
+                        }
+                    }
                     let v = json!({"event": ev.name, "data": ev.data,
                         "timestamp": {"seconds": ev.timestamp.0, "microseconds": ev.timestamp.1}});
                     let v = if v["data"].is_null() {

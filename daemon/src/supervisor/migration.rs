@@ -288,6 +288,40 @@ impl Supervisor {
         Ok(serde_json::json!({"vm": vm, "quit": true}))
     }
 
+    /// For the QMP proxy: whether management owns the `pre-switchover` pause (it set
+    /// `pause-before-switchover` itself; otherwise the pause is acceld's and management, which
+    /// did not ask for it, does not see it), and a wait until acceld's work for the
+    /// `pre-switchover` event stamped `event` is done (false: not within `timeout`).
+    pub fn management_owns_pause(&self, vm: &str) -> bool {
+        self.vm(vm)
+            .is_ok_and(|v| *lock(&v.pause_owner) == PauseOwner::Management)
+    }
+
+    /// Management set `pause-before-switchover` to `on` (through the QMP proxy, which kept
+    /// it on if `kept_on`).
+    pub fn management_set_pause(&self, vm: &str, on: bool, kept_on: bool) {
+        if let Ok(v) = self.vm(vm) {
+            *lock(&v.pause_owner) = match (on, kept_on) {
+                (true, _) => PauseOwner::Management,
+                (false, true) => PauseOwner::Acceld(true),
+                (false, false) => PauseOwner::Acceld(false),
+            };
+        }
+    }
+
+    pub async fn pre_switchover_done(
+        &self,
+        vm: &str,
+        event: (i64, i64),
+        timeout: std::time::Duration,
+    ) -> bool {
+        let Ok(v) = self.vm(vm) else { return false };
+        let mut rx = v.switchover_done.subscribe();
+        tokio::time::timeout(timeout, rx.wait_for(|done| *done >= event))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
     /// Keeps `pause-before-switchover` on while a drive of the VM is on the qemu engine (and
     /// `events` on, to see `pre-switchover`), unless management owns it. Called when no
     /// migration runs (capabilities cannot change during one).
@@ -337,7 +371,7 @@ impl Supervisor {
     /// The migration paused at `pre-switchover`: the rings are stopped and drained. Takes
     /// acceld's exports off the qemu-engine drives' nodes (so QEMU can inactivate them) and
     /// holds those drives, then continues the migration if acceld owns the pause.
-    pub(super) async fn pre_switchover(&self, vm: &Arc<Vm>, qmp: &Qmp) {
+    pub(super) async fn pre_switchover(&self, vm: &Arc<Vm>, qmp: &Qmp, event: (i64, i64)) {
         let t0 = std::time::Instant::now();
         self.finish_mirrors(vm, qmp).await;
         let mut n = 0;
@@ -376,6 +410,7 @@ impl Supervisor {
             }
         }
         info!(vm = %vm.name, drives = n, took_us = t0.elapsed().as_micros() as u64, "pre-switchover: acceld's exports removed");
+        vm.switchover_done.send_replace(event);
         self.save();
     }
 }

@@ -36,6 +36,9 @@ pub struct Vm {
     pub(super) migration: Mutex<Option<String>>,
     /// Who owns QEMU's pause-before-switchover (see `migration.rs`).
     pub(super) pause_owner: Mutex<super::migration::PauseOwner>,
+    /// QEMU's timestamp of the last `pre-switchover` event whose work acceld has done (the QMP
+    /// proxy holds the event back from management until then).
+    pub(super) switchover_done: tokio::sync::watch::Sender<(i64, i64)>,
     continued: AtomicBool,
     /// Budget of the lines about this VM that repeat (attach retries).
     log: LogLimit,
@@ -57,6 +60,7 @@ impl Vm {
             incoming,
             dir,
             drives,
+            switchover_done: tokio::sync::watch::Sender::new((0, 0)),
             qmp: Mutex::new(None),
             task: Mutex::new(None),
             attach_error: Mutex::new(None),
@@ -254,7 +258,7 @@ impl Supervisor {
                         // The migration waits at pre-switchover: acceld's part comes first
                         // (it is the guest's downtime).
                         if pre_switchover(&ev) {
-                            self.pre_switchover(vm, &qmp).await;
+                            self.pre_switchover(vm, &qmp, ev.timestamp).await;
                         }
                         if relevant(&ev.name) {
                             // Let a burst of events settle, then look once. Not after a
@@ -262,12 +266,14 @@ impl Supervisor {
                             if ev.name != "MIGRATION" || ev.data["status"] != "completed" {
                                 tokio::time::sleep(Duration::from_millis(20)).await;
                             }
-                            let mut pre = false;
+                            let mut pre = None;
                             while let Ok(e) = events.try_recv() {
-                                pre |= pre_switchover(&e);
+                                if pre_switchover(&e) {
+                                    pre = Some(e.timestamp);
+                                }
                             }
-                            if pre {
-                                self.pre_switchover(vm, &qmp).await;
+                            if let Some(ts) = pre {
+                                self.pre_switchover(vm, &qmp, ts).await;
                             }
                             self.reconcile_vm(vm, false).await;
                         }
