@@ -234,6 +234,7 @@ async def compare():
           f"\n  proxy     {jp}\n  reference {jr}")
     await block_jobs(p, r)
     await nbd_server(p, r)
+    await fd_passing(p, r)
     await same("an unknown command", p, r, "no-such-command")
     await same("qmp_capabilities again", p, r, "qmp_capabilities")
     kind, ex = await run(p, "query-block-exports")
@@ -435,6 +436,50 @@ async def nbd_server(p, r):
     e = await wait_engine("direct")
     check("after the NBD server and the throttle the drive goes back to direct",
           e is None or e[0] == "direct", str(e))
+
+
+async def fd_passing(p, r):
+    """Descriptors by SCM_RIGHTS for getfd and add-fd, QEMU's answers without one, and two
+    proxy clients using the same fd name without clashing."""
+    async def getfd(q, name):
+        with open(side(q, "fd-" + name), "wb") as f:
+            q.send_fd_scm(f.fileno())
+            return await run(q, "getfd", {"fdname": name})
+    await both("getfd with a descriptor", p, r, lambda q: getfd(q, "f1"))
+    await same("getfd without a descriptor", p, r, "getfd", {"fdname": "f2"})
+    await same("closefd of the name", p, r, "closefd", {"fdname": "f1"})
+    await same("closefd of a name no longer there", p, r, "closefd", {"fdname": "f1"})
+
+    async def addfd(q):
+        with open(side(q, "fd-set"), "wb") as f:
+            q.send_fd_scm(f.fileno())
+            kind, v = await run(q, "add-fd", {"opaque": "mine"})
+        if kind != "return":
+            return kind, v
+        sets = await q.execute("query-fdsets")
+        mine = next((s for s in sets if s["fdset-id"] == v["fdset-id"]), None)
+        gone = await run(q, "remove-fd", {"fdset-id": v["fdset-id"]})
+        return sorted(v), [sorted(x) for x in mine["fds"]] if mine else None, \
+            [x.get("opaque") for x in mine["fds"]] if mine else None, gone
+    await both("add-fd with a descriptor, query-fdsets, remove-fd", p, r, addfd)
+    await same("add-fd without a descriptor", p, r, "add-fd", {})
+    c1, c2 = QMPClient("c1"), QMPClient("c2")
+    await c1.connect(PROXY)
+    await c2.connect(PROXY)
+    a = await getfd_as(c1, "same")
+    b = await getfd_as(c2, "same")
+    x = await run(c1, "closefd", {"fdname": "same"})
+    y = await run(c2, "closefd", {"fdname": "same"})
+    check("two clients' fd names do not clash", (a, b, x, y) == (("return", {}),) * 4,
+          str((a, b, x, y)))
+    await c1.disconnect()
+    await c2.disconnect()
+
+
+async def getfd_as(q, name):
+    with open(os.path.join(SCRATCH, "fd-" + q.name), "wb") as f:
+        q.send_fd_scm(f.fileno())
+        return await run(q, "getfd", {"fdname": name})
 
 
 def raw_session(path, lines):

@@ -238,6 +238,72 @@ async fn write_message(w: &mut OwnedWriteHalf, v: &Value) -> Result<(), QmpError
     w.write_all(&s).await.map_err(|e| QmpError::Io(Arc::new(e)))
 }
 
+/// Sends `buf` with `fd` attached (SCM_RIGHTS) to its first byte, the way QEMU's monitor
+/// takes a file descriptor for the command it arrives with (`getfd`, `add-fd`).
+async fn write_with_fd(
+    w: &mut OwnedWriteHalf,
+    buf: &[u8],
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> Result<(), QmpError> {
+    use std::os::fd::AsRawFd;
+    let io = |e: std::io::Error| QmpError::Io(Arc::new(e));
+    let stream: &tokio::net::UnixStream = w.as_ref();
+    let sent = loop {
+        stream.writable().await.map_err(io)?;
+        match stream.try_io(tokio::io::Interest::WRITABLE, || {
+            send_fd(stream.as_raw_fd(), buf, fd.as_raw_fd())
+        }) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(io(e)),
+        }
+    };
+    w.write_all(&buf[sent..]).await.map_err(io)
+}
+
+/// One `sendmsg` of (a prefix of) `buf` with `fd` in an SCM_RIGHTS message.
+fn send_fd(sock: i32, buf: &[u8], fd: i32) -> std::io::Result<usize> {
+    const FD_SIZE: u32 = std::mem::size_of::<i32>() as u32;
+    // Room for one fd's control message, aligned as cmsghdr needs.
+    let mut cmsg = [0u64; 4];
+    // SAFETY: CMSG_SPACE only computes a size from its argument.
+    let space = unsafe { libc::CMSG_SPACE(FD_SIZE) } as usize;
+    assert!(space <= std::mem::size_of_val(&cmsg));
+    let mut iov = libc::iovec {
+        iov_base: buf.as_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: msg_control points at `cmsg`, which has room for one header (checked above),
+    // so CMSG_FIRSTHDR returns a pointer into it.
+    let hdr = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+    // SAFETY: CMSG_LEN only computes a size from its argument.
+    let len = unsafe { libc::CMSG_LEN(FD_SIZE) };
+    // SAFETY: cmsghdr is plain data; all-zero is valid before the fields are set.
+    let mut h: libc::cmsghdr = unsafe { std::mem::zeroed() };
+    h.cmsg_level = libc::SOL_SOCKET;
+    h.cmsg_type = libc::SCM_RIGHTS;
+    h.cmsg_len = len as _;
+    // SAFETY: `hdr` points into `cmsg` (above), which has room for the header.
+    unsafe { std::ptr::write_unaligned(hdr, h) };
+    // SAFETY: the header inside `cmsg` says one i32 follows: CMSG_DATA points at it.
+    let data = unsafe { libc::CMSG_DATA(hdr) };
+    // SAFETY: `data` points at room for one i32 inside `cmsg`; no alignment needed.
+    unsafe { std::ptr::write_unaligned(data.cast::<i32>(), fd) };
+    // SAFETY: `msg` points at `iov` (over `buf`) and `cmsg`, both alive for the call.
+    let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
 type Reply = Result<Value, QmpError>;
 
 struct Inner {
@@ -329,6 +395,28 @@ impl Qmp {
         args: Option<Value>,
         timeout: Duration,
     ) -> Result<Value, QmpError> {
+        self.execute_inner(name, args, timeout, None).await
+    }
+
+    /// Runs a command with a file descriptor passed along (SCM_RIGHTS), as `getfd` and
+    /// `add-fd` need it.
+    pub async fn execute_raw_with_fd(
+        &self,
+        name: &str,
+        args: Option<Value>,
+        timeout: Duration,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<Value, QmpError> {
+        self.execute_inner(name, args, timeout, Some(fd)).await
+    }
+
+    async fn execute_inner(
+        &self,
+        name: &str,
+        args: Option<Value>,
+        timeout: Duration,
+        fd: Option<std::os::fd::BorrowedFd<'_>>,
+    ) -> Result<Value, QmpError> {
         if self.is_closed() {
             return Err(QmpError::Closed(lock(&self.inner.close_reason).clone()));
         }
@@ -341,7 +429,15 @@ impl Qmp {
         }
         let sent = {
             let mut w = self.inner.writer.lock().await;
-            write_message(&mut w, &msg).await
+            match fd {
+                None => write_message(&mut w, &msg).await,
+                Some(fd) => {
+                    let mut s =
+                        serde_json::to_vec(&msg).map_err(|e| QmpError::Protocol(e.to_string()))?;
+                    s.push(b'\n');
+                    write_with_fd(&mut w, &s, fd).await
+                }
+            }
         };
         if let Err(e) = sent {
             lock(&self.inner.pending).remove(&id);

@@ -7,8 +7,8 @@
 //! one per monitor socket). Commands that name an accelerated drive where QEMU would fail or
 //! answer for nothing go to `intercept` (docs/qmp-proxy.md).
 //!
-//! Not yet: `exec-oob` (the greeting offers no `oob`), file descriptors (SCM_RIGHTS for
-//! `getfd`/`add-fd`).
+//! File descriptors (SCM_RIGHTS) go to QEMU with the `getfd`/`add-fd` that claims them, fd
+//! names kept apart per client (`fds`). Not yet: `exec-oob` (the greeting offers no `oob`).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use serde_json::{json, Map, Value};
 use thiserror::Error;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::{UnixListener, UnixStream};
 use tracing::{debug, info, warn};
@@ -25,6 +25,7 @@ use tracing::{debug, info, warn};
 use crate::supervisor::Supervisor;
 use crate::util::LogLimit;
 
+mod fds;
 mod hold;
 mod intercept;
 mod message;
@@ -166,7 +167,7 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
         // oob is not offered: the proxy does not forward exec-oob yet.
         "capabilities": []
     }});
-    let (mut rd, wr) = stream.into_split();
+    let (rd, wr) = stream.into_split();
     let w: Writer = Arc::new(tokio::sync::Mutex::new(wr));
     if !send(&w, &greeting).await {
         return;
@@ -179,8 +180,12 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
     };
     let mut buf: Vec<u8> = Vec::new();
     let mut chunk = vec![0u8; 64 * 1024];
+    let mut st = ClientState {
+        fds: std::collections::VecDeque::new(),
+        names: fds::Names::new(n),
+    };
     'read: loop {
-        let got = match rd.read(&mut chunk).await {
+        let got = match fds::read(&rd, &mut chunk, &mut st.fds).await {
             Ok(0) | Err(_) => break,
             Ok(k) => k,
         };
@@ -202,7 +207,7 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
                     }
                 }
                 message::Next::Value(v) => {
-                    let reply = handle(&ctx, &negotiated, v).await;
+                    let reply = handle(&ctx, &negotiated, &mut st, v).await;
                     if let Some(r) = reply {
                         if !send(&w, &r).await {
                             break 'read;
@@ -213,11 +218,28 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
         }
     }
     events.abort();
+    // The client's fd names die with it (QEMU's would with its monitor).
+    for name in std::mem::take(&mut st.names.held) {
+        let args = Map::from_iter([("fdname".to_string(), json!(st.names.upstream(&name)))]);
+        let _ = forward(&ctx, "closefd", Some(args)).await;
+    }
     debug!(vm = %vm, client = n, "QMP proxy client gone");
 }
 
+/// What the proxy keeps per client besides its socket.
+struct ClientState {
+    /// Descriptors received and not claimed yet.
+    fds: std::collections::VecDeque<std::os::fd::OwnedFd>,
+    names: fds::Names,
+}
+
 /// One message from a client: the reply to send.
-async fn handle(ctx: &intercept::Ctx, negotiated: &AtomicBool, v: Value) -> Option<Value> {
+async fn handle(
+    ctx: &intercept::Ctx,
+    negotiated: &AtomicBool,
+    st: &mut ClientState,
+    v: Value,
+) -> Option<Value> {
     let req = match check_request(v) {
         Shape::Request(r) => r,
         Shape::Invalid { desc, id } => {
@@ -246,11 +268,68 @@ async fn handle(ctx: &intercept::Ctx, negotiated: &AtomicBool, v: Value) -> Opti
             id,
         ));
     }
-    let r = intercept::command(ctx, &req.execute, req.arguments.clone()).await;
+    let name = req.execute.as_str();
+    let mut args = req.arguments.clone();
+    st.names.rewrite(name, &mut args);
+    let r = match name {
+        "getfd" | "add-fd" => {
+            let r = match st.fds.pop_front() {
+                Some(fd) => forward_with_fd(ctx, name, args, &fd).await,
+                // QEMU's own answer: no descriptor came.
+                None => forward(ctx, name, args).await,
+            };
+            if let (Ok(_), "getfd") = (&r, name) {
+                if let Some(n) = req.arguments.as_ref().and_then(|a| a["fdname"].as_str()) {
+                    if !st.names.held.iter().any(|h| h == n) {
+                        st.names.held.push(n.to_string());
+                    }
+                }
+            }
+            r
+        }
+        _ => {
+            // QEMU keeps a descriptor only for the command it came with.
+            st.fds.clear();
+            let r = intercept::command(ctx, name, args).await;
+            if let (Ok(_), "closefd") = (&r, name) {
+                if let Some(n) = req.arguments.as_ref().and_then(|a| a["fdname"].as_str()) {
+                    st.names.held.retain(|h| h != n);
+                }
+            }
+            r
+        }
+    };
     Some(match r {
         Ok(v) => return_reply(v, id),
-        Err((class, desc)) => error_reply(&class, &desc, id),
+        Err((class, desc)) => error_reply(&class, &st.names.restore(&desc), id),
     })
+}
+
+/// [`forward`] with a file descriptor passed along.
+async fn forward_with_fd(
+    ctx: &intercept::Ctx,
+    name: &str,
+    args: Option<Map<String, Value>>,
+    fd: &std::os::fd::OwnedFd,
+) -> Result<Value, (String, String)> {
+    use std::os::fd::AsFd;
+    let qmp = ctx.sup.vm_qmp(&ctx.vm).map_err(|e| {
+        (
+            "GenericError".to_string(),
+            format!("acceld's QMP proxy: {}", e.chain()),
+        )
+    })?;
+    match qmp
+        .execute_raw_with_fd(name, args.map(Value::Object), FORWARD_TIMEOUT, fd.as_fd())
+        .await
+    {
+        Ok(v) => Ok(v),
+        Err(qmp_client::QmpError::Qemu { class, desc, .. }) => Err((class, desc)),
+        Err(e) => Err((
+            "GenericError".to_string(),
+            format!("acceld's QMP proxy: QEMU did not answer: {e}"),
+        )),
+    }
 }
 
 /// Forwards a command to QEMU as it is; QEMU's answer, error class and text included.

@@ -1,0 +1,192 @@
+//! File descriptors from management: received with a client's bytes (SCM_RIGHTS), passed on
+//! to QEMU with the `getfd` or `add-fd` that claims them, and fd names kept apart per client.
+//! QEMU's `getfd` names belong to one monitor, and all clients share acceld's monitor, so a
+//! client's name `N` is `cK:N` in QEMU; the proxy rewrites the name where commands refer to it
+//! (`fdname`, `fd`, `str`, `fd:N`, `/dev/fdname/N`) and restores it in QEMU's errors.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use serde_json::{Map, Value};
+use tokio::net::unix::OwnedReadHalf;
+
+/// Received descriptors not yet claimed; more are closed (QEMU keeps only the last read's).
+pub const MAX_PENDING: usize = 16;
+
+/// Most descriptors one `recvmsg` takes.
+const MAX_PER_READ: usize = 8;
+
+/// Reads bytes and any descriptors sent with them.
+pub async fn read(
+    rd: &OwnedReadHalf,
+    buf: &mut [u8],
+    pending: &mut VecDeque<OwnedFd>,
+) -> std::io::Result<usize> {
+    let s: &tokio::net::UnixStream = rd.as_ref();
+    loop {
+        s.readable().await?;
+        match s.try_io(tokio::io::Interest::READABLE, || recv(s.as_raw_fd(), buf)) {
+            Ok((n, fds)) => {
+                for fd in fds {
+                    if pending.len() == MAX_PENDING {
+                        pending.pop_front();
+                    }
+                    pending.push_back(fd);
+                }
+                return Ok(n);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn recv(sock: i32, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+    const FD_SIZE: u32 = std::mem::size_of::<i32>() as u32;
+    let mut cmsg = [0u64; 16];
+    // SAFETY: CMSG_SPACE only computes a size from its argument.
+    let space = unsafe { libc::CMSG_SPACE(FD_SIZE * MAX_PER_READ as u32) } as usize;
+    assert!(space <= std::mem::size_of_val(&cmsg));
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` points at `iov` (over `buf`) and `cmsg`, both alive for the call.
+    let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: `msg` was filled by recvmsg; CMSG_FIRSTHDR reads its control fields.
+    let mut hdr = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+    while !hdr.is_null() {
+        // SAFETY: a non-null header from CMSG_FIRSTHDR/NXTHDR lies inside `cmsg`.
+        let h = unsafe { std::ptr::read_unaligned(hdr) };
+        if h.cmsg_level == libc::SOL_SOCKET && h.cmsg_type == libc::SCM_RIGHTS {
+            // SAFETY: CMSG_LEN only computes a size.
+            let head = unsafe { libc::CMSG_LEN(0) } as usize;
+            let count = (h.cmsg_len as usize).saturating_sub(head) / FD_SIZE as usize;
+            // SAFETY: the header is inside `cmsg`; its data follows it there.
+            let data = unsafe { libc::CMSG_DATA(hdr) }.cast::<i32>();
+            for i in 0..count {
+                // SAFETY: `count` descriptors follow the header, inside `cmsg` (the kernel
+                // wrote them within msg_controllen): the i-th is in bounds.
+                let at = unsafe { data.add(i) };
+                // SAFETY: `at` points at an i32 inside `cmsg`; no alignment needed.
+                let fd = unsafe { std::ptr::read_unaligned(at) };
+                if fd >= 0 {
+                    // SAFETY: the kernel just gave this descriptor to us; nothing else owns it.
+                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                }
+            }
+        }
+        // SAFETY: `hdr` is a header of `msg` (above).
+        hdr = unsafe { libc::CMSG_NXTHDR(&msg, hdr) };
+    }
+    Ok((n as usize, fds))
+}
+
+/// A client's fd names and their names in QEMU.
+#[derive(Debug, Default)]
+pub struct Names {
+    prefix: String,
+    /// Names the client has in QEMU now.
+    pub held: Vec<String>,
+}
+
+impl Names {
+    pub fn new(client: u64) -> Self {
+        Names {
+            prefix: format!("c{client}:"),
+            held: Vec::new(),
+        }
+    }
+
+    pub fn upstream(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// The command's arguments with the client's fd names as QEMU knows them: `getfd` and
+    /// `closefd` always (QEMU's answer for an unknown name then names the client's), others
+    /// where they refer to a name the client holds.
+    pub fn rewrite(&self, cmd: &str, args: &mut Option<Map<String, Value>>) {
+        let Some(a) = args.as_mut() else { return };
+        if matches!(cmd, "getfd" | "closefd") {
+            if let Some(Value::String(n)) = a.get_mut("fdname") {
+                *n = self.upstream(n);
+            }
+            return;
+        }
+        if self.held.is_empty() {
+            return;
+        }
+        for (k, v) in a.iter_mut() {
+            self.walk(k, v);
+        }
+    }
+
+    fn walk(&self, key: &str, v: &mut Value) {
+        match v {
+            Value::String(s) => {
+                let held = |n: &str| self.held.iter().any(|h| h == n);
+                if matches!(key, "fdname" | "fd" | "str") && held(s) {
+                    *s = self.upstream(s);
+                } else if let Some(n) = s.strip_prefix("fd:").filter(|n| held(n)) {
+                    *s = format!("fd:{}", self.upstream(n));
+                } else if let Some(n) = s.strip_prefix("/dev/fdname/").filter(|n| held(n)) {
+                    *s = format!("/dev/fdname/{}", self.upstream(n));
+                }
+            }
+            Value::Array(l) => l.iter_mut().for_each(|x| self.walk(key, x)),
+            Value::Object(m) => m.iter_mut().for_each(|(k, x)| self.walk(k, x)),
+            _ => {}
+        }
+    }
+
+    /// QEMU's error text with the client's own names.
+    pub fn restore(&self, desc: &str) -> String {
+        desc.replace(&format!("'{}", self.prefix), "'")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn args(v: Value) -> Option<Map<String, Value>> {
+        match v {
+            Value::Object(m) => Some(m),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn names_are_the_clients_own() {
+        let mut n = Names::new(3);
+        let mut a = args(json!({"fdname": "mig"}));
+        n.rewrite("getfd", &mut a);
+        assert_eq!(a.unwrap()["fdname"], "c3:mig");
+        n.held.push("mig".into());
+        let mut a = args(
+            json!({"uri": "fd:mig", "channels": [{"addr": {"type": "fd", "str": "mig"}}],
+                                "other": "mig", "x": "fd:nope"}),
+        );
+        n.rewrite("migrate", &mut a);
+        let a = a.unwrap();
+        assert_eq!(a["uri"], "fd:c3:mig");
+        assert_eq!(a["channels"][0]["addr"]["str"], "c3:mig");
+        assert_eq!(a["other"], "mig", "only where a name is expected");
+        assert_eq!(a["x"], "fd:nope", "names the client does not hold stay");
+        assert_eq!(
+            n.restore("File descriptor named 'c3:mig' not found"),
+            "File descriptor named 'mig' not found"
+        );
+    }
+}
