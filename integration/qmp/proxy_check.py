@@ -140,7 +140,9 @@ async def compare():
     p, r = QMPClient("proxy"), QMPClient("reference")
     await p.connect(PROXY)
     await r.connect(REF)
-    check("greeting: QEMU's version", p.greeting.QMP.version == r.greeting.QMP.version,
+    check("greeting: QEMU's version and capabilities",
+          (p.greeting.QMP.version, p.greeting.QMP.capabilities)
+          == (r.greeting.QMP.version, r.greeting.QMP.capabilities),
           f"{p.greeting} vs {r.greeting}")
 
     def block(reply):
@@ -514,6 +516,20 @@ def raw_checks():
     a, b = raw_session(PROXY, seq), raw_session(REF, seq)
     for line, x, y in zip(seq, a, b):
         check(f"raw {line}", x == y, f"\n  proxy     {x}\n  reference {y}")
+    # Out of band, as QEMU offers it.
+    oob = [
+        '{"execute":"qmp_capabilities","arguments":{"enable":["oob"]},"id":0}',
+        '{"exec-oob":"query-status","id":"o1"}',
+        '{"exec-oob":"query-yank","id":"o2"}',
+        '{"exec-oob":"migrate-pause","id":"o3"}',
+        '{"exec-oob":5,"id":"o4"}',
+        '{"execute":"query-name","id":"o5"}',
+    ]
+    a, b = raw_session(PROXY, oob), raw_session(REF, oob)
+    # The accelerated VM has the tests' side monitor too (compat_monitor1), not acceld's.
+    a[2]["return"] = [y for y in a[2].get("return", []) if y["id"] != "compat_monitor1"]
+    for line, x, y in zip(oob, a, b):
+        check(f"raw oob {line}", x == y, f"\n  proxy     {x}\n  reference {y}")
 
 
 async def many_clients():

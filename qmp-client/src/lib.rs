@@ -163,9 +163,20 @@ pub async fn connect_with_retry(
     attempts: u32,
     delay: Duration,
 ) -> Result<Qmp, QmpError> {
+    connect_with_retry_oob(path, attempts, delay, false).await
+}
+
+/// [`connect_with_retry`], enabling out-of-band execution when `oob` and QEMU offers it.
+pub async fn connect_with_retry_oob(
+    path: &Path,
+    attempts: u32,
+    delay: Duration,
+    oob: bool,
+) -> Result<Qmp, QmpError> {
     let mut last = None;
     for _ in 0..attempts.max(1) {
         match connect(path).await {
+            Ok(h) if oob => return h.negotiate_oob().await,
             Ok(h) => return h.negotiate().await,
             Err(e @ QmpError::Connect { .. }) => last = Some(e),
             Err(e) => return Err(e),
@@ -181,8 +192,21 @@ impl Handshake {
     }
 
     /// Sends `qmp_capabilities` and waits for its reply; then commands can flow.
-    pub async fn negotiate(mut self) -> Result<Qmp, QmpError> {
-        let msg = json!({"execute": "qmp_capabilities", "id": 0});
+    pub async fn negotiate(self) -> Result<Qmp, QmpError> {
+        self.negotiate_caps(false).await
+    }
+
+    /// [`Handshake::negotiate`], enabling `oob` if QEMU offers it ([`Qmp::execute_oob_raw`]).
+    pub async fn negotiate_oob(self) -> Result<Qmp, QmpError> {
+        let offered = self.greeting.capabilities.iter().any(|c| c == "oob");
+        self.negotiate_caps(offered).await
+    }
+
+    async fn negotiate_caps(mut self, oob: bool) -> Result<Qmp, QmpError> {
+        let mut msg = json!({"execute": "qmp_capabilities", "id": 0});
+        if oob {
+            msg["arguments"] = json!({"enable": ["oob"]});
+        }
         write_message(&mut self.writer, &msg).await?;
         loop {
             let v = read_message(&mut self.reader)
@@ -201,7 +225,7 @@ impl Handshake {
                 "unexpected reply to qmp_capabilities: {v}"
             )));
         }
-        Ok(Qmp::start(self))
+        Ok(Qmp::start(self, oob))
     }
 }
 
@@ -316,6 +340,7 @@ struct Inner {
     timeout: Mutex<Duration>,
     greeting: Greeting,
     path: PathBuf,
+    oob: bool,
 }
 
 /// A negotiated QMP connection. Clone it to share it between tasks.
@@ -329,7 +354,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Qmp {
-    fn start(h: Handshake) -> Self {
+    fn start(h: Handshake, oob: bool) -> Self {
         let (events, _) = broadcast::channel(EVENT_BUFFER);
         let inner = Arc::new(Inner {
             writer: tokio::sync::Mutex::new(h.writer),
@@ -341,6 +366,7 @@ impl Qmp {
             timeout: Mutex::new(Duration::from_secs(30)),
             greeting: h.greeting,
             path: h.path,
+            oob,
         });
         tokio::spawn(reader_task(h.reader, inner.clone()));
         Qmp { inner }
@@ -352,6 +378,28 @@ impl Qmp {
 
     pub fn path(&self) -> &Path {
         &self.inner.path
+    }
+
+    /// Out-of-band execution was negotiated.
+    pub fn oob_enabled(&self) -> bool {
+        self.inner.oob
+    }
+
+    /// Runs a command out of band (`exec-oob`): QEMU's monitor thread runs it at once, even
+    /// while the main loop is busy. Needs [`Qmp::oob_enabled`].
+    pub async fn execute_oob_raw(
+        &self,
+        name: &str,
+        args: Option<Value>,
+        timeout: Duration,
+    ) -> Result<Value, QmpError> {
+        if !self.inner.oob {
+            return Err(QmpError::Protocol(
+                "out-of-band execution was not negotiated".into(),
+            ));
+        }
+        self.execute_msg(name, args, timeout, None, "exec-oob")
+            .await
     }
 
     /// The timeout of every later command (default 30 s).
@@ -395,7 +443,7 @@ impl Qmp {
         args: Option<Value>,
         timeout: Duration,
     ) -> Result<Value, QmpError> {
-        self.execute_inner(name, args, timeout, None).await
+        self.execute_msg(name, args, timeout, None, "execute").await
     }
 
     /// Runs a command with a file descriptor passed along (SCM_RIGHTS), as `getfd` and
@@ -407,15 +455,17 @@ impl Qmp {
         timeout: Duration,
         fd: std::os::fd::BorrowedFd<'_>,
     ) -> Result<Value, QmpError> {
-        self.execute_inner(name, args, timeout, Some(fd)).await
+        self.execute_msg(name, args, timeout, Some(fd), "execute")
+            .await
     }
 
-    async fn execute_inner(
+    async fn execute_msg(
         &self,
         name: &str,
         args: Option<Value>,
         timeout: Duration,
         fd: Option<std::os::fd::BorrowedFd<'_>>,
+        key: &str,
     ) -> Result<Value, QmpError> {
         if self.is_closed() {
             return Err(QmpError::Closed(lock(&self.inner.close_reason).clone()));
@@ -423,7 +473,7 @@ impl Qmp {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         lock(&self.inner.pending).insert(id, (name.to_string(), tx));
-        let mut msg = json!({"execute": name, "id": id});
+        let mut msg = json!({ key: name, "id": id });
         if let Some(a) = args.filter(|a| !a.is_null()) {
             msg["arguments"] = a;
         }

@@ -46,7 +46,7 @@ impl Ctx {
             .unwrap_or_default()
     }
 
-    fn again(&self) -> Ctx {
+    pub fn again(&self) -> Ctx {
         Ctx {
             sup: self.sup.clone(),
             vm: self.vm.clone(),
@@ -225,6 +225,11 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
             }
             r
         }
+        "query-yank" => {
+            let mut v = forward(ctx, name, args).await?;
+            hide_own_yank(ctx, &mut v);
+            Ok(v)
+        }
         "query-iothreads" => {
             let mut v = forward(ctx, name, args).await?;
             if let Some(list) = v.as_array_mut() {
@@ -256,6 +261,22 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
         }
         _ if names_nodes(name) => with_drives(ctx, name, args).await,
         _ => forward(ctx, name, args).await,
+    }
+}
+
+/// acceld's vhost-user sockets (`DRIVE-sock` chardevs of the VM contract) are not
+/// management's to yank: a yank would cut the drive's connection.
+pub fn hide_own_yank(ctx: &Ctx, v: &mut Value) {
+    let own: Vec<String> = ctx
+        .drives()
+        .iter()
+        .map(|d| format!("{}-sock", d.drive))
+        .collect();
+    if let Some(list) = v.as_array_mut() {
+        list.retain(|y| {
+            !(y["type"] == "chardev"
+                && y["id"].as_str().is_some_and(|i| own.iter().any(|o| o == i)))
+        });
     }
 }
 

@@ -63,6 +63,8 @@ pub struct Request {
     pub arguments: Option<Map<String, Value>>,
     /// The client's id, exactly as sent (absent stays absent).
     pub id: Option<Value>,
+    /// Sent as `exec-oob`.
+    pub oob: bool,
 }
 
 #[derive(Debug, PartialEq)]
@@ -72,7 +74,8 @@ pub enum Shape {
 }
 
 /// QEMU's checks of a request object (`qmp_dispatch_check_obj`), with its texts.
-pub fn check_request(v: Value) -> Shape {
+/// `allow_oob`: the client enabled oob, so `exec-oob` may stand for `execute`.
+pub fn check_request(v: Value, allow_oob: bool) -> Shape {
     let Value::Object(mut m) = v else {
         return Shape::Invalid {
             desc: "QMP input must be a JSON object".into(),
@@ -81,20 +84,34 @@ pub fn check_request(v: Value) -> Shape {
     };
     let id = m.remove("id");
     let bad = |desc: String, id: Option<Value>| Shape::Invalid { desc, id };
+    let mut exec_key: Option<&str> = None;
     for (k, v) in &m {
         match k.as_str() {
-            "execute" if !v.is_string() => {
-                return bad("QMP input member 'execute' must be a string".into(), id)
+            key @ "execute" | key @ "exec-oob" if key == "execute" || allow_oob => {
+                if !v.is_string() {
+                    return bad(format!("QMP input member '{key}' must be a string"), id);
+                }
+                if let Some(first) = exec_key {
+                    return bad(
+                        format!("QMP input member '{key}' clashes with '{first}'"),
+                        id,
+                    );
+                }
+                exec_key = Some(key);
             }
             "arguments" if !v.is_object() => {
                 return bad("QMP input member 'arguments' must be an object".into(), id)
             }
-            "execute" | "arguments" => {}
-            // exec-oob needs the oob capability, which the proxy does not offer.
+            "arguments" => {}
+            // exec-oob without the oob capability is just an unknown member.
             other => return bad(format!("QMP input member '{other}' is unexpected"), id),
         }
     }
-    let Some(Value::String(execute)) = m.remove("execute") else {
+    let Some(key) = exec_key.map(str::to_string) else {
+        return bad("QMP input lacks member 'execute'".into(), id);
+    };
+    let oob = key == "exec-oob";
+    let Some(Value::String(execute)) = m.remove(&key) else {
         return bad("QMP input lacks member 'execute'".into(), id);
     };
     let arguments = match m.remove("arguments") {
@@ -105,26 +122,46 @@ pub fn check_request(v: Value) -> Shape {
         execute,
         arguments,
         id,
+        oob,
     })
 }
 
-/// `qmp_capabilities`' arguments: an optional `enable` list of capabilities. The proxy offers
-/// none (no oob yet). Returns QEMU's error text, if any.
-pub fn check_capabilities(args: &Option<Map<String, Value>>) -> Option<String> {
-    let a = args.as_ref()?;
+/// `qmp_capabilities`' arguments: an optional `enable` list of capabilities; `oob` is the only
+/// one QEMU has, and the proxy offers it when QEMU does (`offered`). Whether oob is on, or
+/// QEMU's error text.
+pub fn check_capabilities(
+    args: &Option<Map<String, Value>>,
+    offered: bool,
+) -> Result<bool, String> {
+    let Some(a) = args.as_ref() else {
+        return Ok(false);
+    };
     for k in a.keys() {
         if k != "enable" {
-            return Some(format!("Parameter '{k}' is unexpected"));
+            return Err(format!("Parameter '{k}' is unexpected"));
         }
     }
     match a.get("enable") {
-        None => None,
-        Some(Value::Array(l)) => l.first().map(|c| match c.as_str() {
-            Some("oob") => "Capability 'oob' not available".to_string(),
-            Some(other) => format!("Parameter 'enable' does not accept value '{other}'"),
-            None => "Invalid parameter type for 'enable', expected: string".to_string(),
-        }),
-        Some(_) => Some("Invalid parameter type for 'enable', expected: array".into()),
+        None => Ok(false),
+        Some(Value::Array(l)) => {
+            let mut oob = false;
+            for c in l {
+                match c.as_str() {
+                    Some("oob") if offered => oob = true,
+                    Some("oob") => return Err("Capability 'oob' not available".into()),
+                    Some(other) => {
+                        return Err(format!(
+                            "Parameter 'enable' does not accept value '{other}'"
+                        ))
+                    }
+                    None => {
+                        return Err("Invalid parameter type for 'enable', expected: string".into())
+                    }
+                }
+            }
+            Ok(oob)
+        }
+        Some(_) => Err("Invalid parameter type for 'enable', expected: array".into()),
     }
 }
 
@@ -171,7 +208,7 @@ mod tests {
 
     #[test]
     fn request_checks_with_qemus_texts() {
-        let desc = |v: Value| match check_request(v) {
+        let desc = |v: Value| match check_request(v, false) {
             Shape::Invalid { desc, id } => (desc, id),
             Shape::Request(r) => panic!("accepted {r:?}"),
         };
@@ -199,15 +236,16 @@ mod tests {
             desc(json!({"exec-oob": "migrate-pause"})).0,
             "QMP input member 'exec-oob' is unexpected"
         );
-        let Shape::Request(r) = check_request(json!({"execute": "q", "id": {"a": [1]}})) else {
+        let Shape::Request(r) = check_request(json!({"execute": "q", "id": {"a": [1]}}), false)
+        else {
             panic!()
         };
         assert_eq!(r.id, Some(json!({"a": [1]})));
-        let Shape::Request(r) = check_request(json!({"execute": "q", "id": null})) else {
+        let Shape::Request(r) = check_request(json!({"execute": "q", "id": null}), false) else {
             panic!()
         };
         assert_eq!(r.id, Some(Value::Null), "a null id is an id");
-        let Shape::Request(r) = check_request(json!({"execute": "q"})) else {
+        let Shape::Request(r) = check_request(json!({"execute": "q"}), false) else {
             panic!()
         };
         assert_eq!(r.id, None);
@@ -215,16 +253,19 @@ mod tests {
 
     #[test]
     fn capabilities() {
-        let a = |v: Value| check_capabilities(&v.as_object().cloned());
-        assert_eq!(a(json!({})), None);
-        assert_eq!(a(json!({"enable": []})), None);
+        let a = |v: Value| check_capabilities(&v.as_object().cloned(), false);
+        assert_eq!(a(json!({})), Ok(false));
+        assert_eq!(a(json!({"enable": []})), Ok(false));
         assert_eq!(
             a(json!({"enable": ["oob"]})),
-            Some("Capability 'oob' not available".into())
+            Err("Capability 'oob' not available".into())
         );
         assert_eq!(
             a(json!({"x": 1})),
-            Some("Parameter 'x' is unexpected".into())
+            Err("Parameter 'x' is unexpected".into())
         );
+        let offered = |v: Value| check_capabilities(&v.as_object().cloned(), true);
+        assert_eq!(offered(json!({"enable": ["oob"]})), Ok(true));
+        assert_eq!(offered(json!({})), Ok(false));
     }
 }

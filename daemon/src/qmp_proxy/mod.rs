@@ -160,12 +160,13 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
         }
     };
     let g = qmp.greeting();
+    // oob is offered when acceld's own connection has it (QEMU offered it).
+    let oob_offered = qmp.oob_enabled();
     let greeting = json!({"QMP": {
         "version": {"qemu": {"major": g.version.qemu.major, "minor": g.version.qemu.minor,
                               "micro": g.version.qemu.micro},
                     "package": g.version.package},
-        // oob is not offered: the proxy does not forward exec-oob yet.
-        "capabilities": []
+        "capabilities": if oob_offered { json!(["oob"]) } else { json!([]) }
     }});
     let (rd, wr) = stream.into_split();
     let w: Writer = Arc::new(tokio::sync::Mutex::new(wr));
@@ -174,24 +175,34 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
     }
     debug!(vm = %vm, client = n, "QMP proxy client connected");
     let negotiated = Arc::new(AtomicBool::new(false));
+    let oob_on = Arc::new(AtomicBool::new(false));
     let events = {
         let (sup, vm, w, neg) = (sup.clone(), vm.clone(), w.clone(), negotiated.clone());
         tokio::spawn(async move { forward_events(sup, vm, w, neg).await })
     };
+    // In-band commands run one at a time, in order, in the worker; exec-oob ones at once.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Inband>(INBAND_QUEUE);
+    let worker = {
+        let st = ClientState {
+            names: fds::Names::new(n),
+            negotiated: negotiated.clone(),
+            oob_offered,
+            oob_on: oob_on.clone(),
+        };
+        let (ctx, w) = (ctx.again(), w.clone());
+        tokio::spawn(async move { inband(ctx, w, st, rx).await })
+    };
     let mut buf: Vec<u8> = Vec::new();
     let mut chunk = vec![0u8; 64 * 1024];
-    let mut st = ClientState {
-        fds: std::collections::VecDeque::new(),
-        names: fds::Names::new(n),
-    };
+    let mut pending_fds = std::collections::VecDeque::new();
     'read: loop {
-        let got = match fds::read(&rd, &mut chunk, &mut st.fds).await {
+        let got = match fds::read(&rd, &mut chunk, &mut pending_fds).await {
             Ok(0) | Err(_) => break,
             Ok(k) => k,
         };
         buf.extend_from_slice(&chunk[..got]);
         loop {
-            match message::next(&mut buf) {
+            let job = match message::next(&mut buf) {
                 message::Next::More => {
                     if buf.len() > MAX_MESSAGE {
                         if let Some(k) = log.admit() {
@@ -201,53 +212,140 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
                     }
                     break;
                 }
-                message::Next::ParseError(desc) => {
-                    if !send(&w, &error_reply("GenericError", &desc, None)).await {
-                        break 'read;
-                    }
-                }
+                message::Next::ParseError(desc) => Inband::ParseError(desc),
                 message::Next::Value(v) => {
-                    let reply = handle(&ctx, &negotiated, &mut st, v).await;
-                    if let Some(r) = reply {
-                        if !send(&w, &r).await {
-                            break 'read;
-                        }
+                    if oob_on.load(Ordering::Acquire) && v.get("exec-oob").is_some() {
+                        let (ctx, w) = (ctx.again(), w.clone());
+                        tokio::spawn(async move {
+                            if let Some(r) = out_of_band(&ctx, v).await {
+                                send(&w, &r).await;
+                            }
+                        });
+                        continue;
                     }
+                    // QEMU keeps a descriptor only for the command it came with.
+                    let claims = matches!(v["execute"].as_str(), Some("getfd" | "add-fd"));
+                    let fd = if claims {
+                        pending_fds.pop_front()
+                    } else {
+                        None
+                    };
+                    pending_fds.clear();
+                    Inband::Message(v, fd)
                 }
+            };
+            if tx.send(job).await.is_err() {
+                break 'read;
             }
         }
     }
+    drop(tx);
+    // The commands already read still run (QEMU's would); then the client's state goes.
+    let _ = worker.await;
     events.abort();
+    debug!(vm = %vm, client = n, "QMP proxy client gone");
+}
+
+/// In-band messages waiting for their turn (QEMU queues 8 and then stops reading a monitor;
+/// the proxy stops reading the client when this many wait).
+const INBAND_QUEUE: usize = 64;
+
+enum Inband {
+    Message(Value, Option<std::os::fd::OwnedFd>),
+    ParseError(String),
+}
+
+/// A client's in-band commands, one at a time, replies in order.
+async fn inband(
+    ctx: intercept::Ctx,
+    w: Writer,
+    mut st: ClientState,
+    mut rx: tokio::sync::mpsc::Receiver<Inband>,
+) {
+    let mut writable = true;
+    while let Some(job) = rx.recv().await {
+        let reply = match job {
+            Inband::ParseError(desc) => Some(error_reply("GenericError", &desc, None)),
+            Inband::Message(v, fd) => handle(&ctx, &mut st, v, fd).await,
+        };
+        if let (Some(r), true) = (reply, writable) {
+            writable = send(&w, &r).await;
+        }
+    }
     // The client's fd names die with it (QEMU's would with its monitor).
     for name in std::mem::take(&mut st.names.held) {
         let args = Map::from_iter([("fdname".to_string(), json!(st.names.upstream(&name)))]);
         let _ = forward(&ctx, "closefd", Some(args)).await;
     }
-    debug!(vm = %vm, client = n, "QMP proxy client gone");
+}
+
+/// An `exec-oob` command of a client that enabled oob: to QEMU out of band at once, ahead of
+/// the client's queued in-band commands.
+async fn out_of_band(ctx: &intercept::Ctx, v: Value) -> Option<Value> {
+    match message::check_request(v, true) {
+        Shape::Request(r) => Some(run_oob(ctx, r).await),
+        Shape::Invalid { desc, id } => Some(error_reply("GenericError", &desc, id.as_ref())),
+    }
+}
+
+async fn run_oob(ctx: &intercept::Ctx, req: Request) -> Value {
+    let id = req.id.as_ref();
+    let qmp = match ctx.sup.vm_qmp(&ctx.vm) {
+        Ok(q) => q,
+        Err(e) => {
+            return error_reply(
+                "GenericError",
+                &format!("acceld's QMP proxy: {}", e.chain()),
+                id,
+            )
+        }
+    };
+    let yank = req.execute == "query-yank";
+    let mut r = qmp
+        .execute_oob_raw(
+            &req.execute,
+            req.arguments.map(Value::Object),
+            FORWARD_TIMEOUT,
+        )
+        .await;
+    if let (true, Ok(v)) = (yank, r.as_mut()) {
+        intercept::hide_own_yank(ctx, v);
+    }
+    match r {
+        Ok(v) => return_reply(v, id),
+        Err(qmp_client::QmpError::Qemu { class, desc, .. }) => error_reply(&class, &desc, id),
+        Err(e) => error_reply(
+            "GenericError",
+            &format!("acceld's QMP proxy: QEMU did not answer: {e}"),
+            id,
+        ),
+    }
 }
 
 /// What the proxy keeps per client besides its socket.
 struct ClientState {
-    /// Descriptors received and not claimed yet.
-    fds: std::collections::VecDeque<std::os::fd::OwnedFd>,
     names: fds::Names,
+    negotiated: Arc<AtomicBool>,
+    /// The greeting offered oob, and the client enabled it.
+    oob_offered: bool,
+    oob_on: Arc<AtomicBool>,
 }
 
 /// One message from a client: the reply to send.
 async fn handle(
     ctx: &intercept::Ctx,
-    negotiated: &AtomicBool,
     st: &mut ClientState,
     v: Value,
+    fd: Option<std::os::fd::OwnedFd>,
 ) -> Option<Value> {
-    let req = match check_request(v) {
+    let req = match check_request(v, st.oob_on.load(Ordering::Acquire)) {
         Shape::Request(r) => r,
         Shape::Invalid { desc, id } => {
             return Some(error_reply("GenericError", &desc, id.as_ref()))
         }
     };
     let id = req.id.as_ref();
-    if !negotiated.load(Ordering::Acquire) {
+    if !st.negotiated.load(Ordering::Acquire) {
         if req.execute != "qmp_capabilities" {
             return Some(error_reply(
                 "CommandNotFound",
@@ -255,26 +353,31 @@ async fn handle(
                 id,
             ));
         }
-        if let Some(e) = message::check_capabilities(&req.arguments) {
-            return Some(error_reply("GenericError", &e, id));
+        match message::check_capabilities(&req.arguments, st.oob_offered) {
+            Err(e) => return Some(error_reply("GenericError", &e, id)),
+            Ok(oob) => st.oob_on.store(oob, Ordering::Release),
         }
-        negotiated.store(true, Ordering::Release);
+        st.negotiated.store(true, Ordering::Release);
         return Some(return_reply(json!({}), id));
     }
-    if req.execute == "qmp_capabilities" {
+    if req.execute == "qmp_capabilities" && !req.oob {
         return Some(error_reply(
             "CommandNotFound",
             "Capabilities negotiation is already complete, command ignored",
             id,
         ));
     }
+    if req.oob {
+        // Queued before oob was on (it came right after the negotiation): still out of band.
+        return Some(run_oob(ctx, req).await);
+    }
     let name = req.execute.as_str();
     let mut args = req.arguments.clone();
     st.names.rewrite(name, &mut args);
     let r = match name {
         "getfd" | "add-fd" => {
-            let r = match st.fds.pop_front() {
-                Some(fd) => forward_with_fd(ctx, name, args, &fd).await,
+            let r = match &fd {
+                Some(fd) => forward_with_fd(ctx, name, args, fd).await,
                 // QEMU's own answer: no descriptor came.
                 None => forward(ctx, name, args).await,
             };
@@ -288,8 +391,6 @@ async fn handle(
             r
         }
         _ => {
-            // QEMU keeps a descriptor only for the command it came with.
-            st.fds.clear();
             let r = intercept::command(ctx, name, args).await;
             if let (Ok(_), "closefd") = (&r, name) {
                 if let Some(n) = req.arguments.as_ref().and_then(|a| a["fdname"].as_str()) {

@@ -207,12 +207,18 @@ impl Supervisor {
 
     async fn attach_once(&self, vm: &Arc<Vm>) -> Result<(), SupError> {
         let attempts = (self.cfg.attach_timeout_ms / 50).max(1) as u32;
-        let qmp = qmp_client::connect_with_retry(&vm.qmp_path, attempts, Duration::from_millis(50))
-            .await
-            .map_err(|source| SupError::Qmp {
-                cmd: "connect".into(),
-                source,
-            })?;
+        // Out-of-band on, when QEMU offers it: the QMP proxy forwards management's exec-oob.
+        let qmp = qmp_client::connect_with_retry_oob(
+            &vm.qmp_path,
+            attempts,
+            Duration::from_millis(50),
+            true,
+        )
+        .await
+        .map_err(|source| SupError::Qmp {
+            cmd: "connect".into(),
+            source,
+        })?;
         let qmp = Arc::new(qmp);
         qmp.set_timeout(Duration::from_millis(self.cfg.qmp_timeout_ms));
         find_devices(vm, &qmp).await?;
