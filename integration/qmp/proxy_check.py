@@ -178,6 +178,31 @@ async def compare():
           f"retune {took[1]*1e3:.0f} ms, clear {took[2]*1e3:.0f} ms (Proxmox allows 5 s)")
     check("throttle answers well inside Proxmox's 5 s", max(took) < 5.0, str(took))
 
+    # Management's own throttle group: object-add, join it, qom-set its limits (Proxmox's
+    # way of retuning), all-zero limits (the drive stays a member, acceld goes direct), leave.
+    await same("object-add throttle-group tg0", p, r, "object-add",
+               {"qom-type": "throttle-group", "id": "tg0", "limits": {"iops-total": 500}})
+    await same("block_set_io_throttle into group tg0", p, r, "block_set_io_throttle",
+               {**throttle(300), "group": "tg0"})
+    await same("query-block in group tg0", p, r, "query-block", post=block)
+    for limits, label in (({"iops-total": 700}, "700"), ({}, "nothing (absent fields stay)"),
+                          ({"iops-total": 0}, "all zero"),
+                          ({"iops-total": 400, "bps-write": 1 << 30}, "400 and bps")):
+        await same(f"qom-set tg0 limits {label}", p, r, "qom-set",
+                   {"path": "tg0", "property": "limits", "value": limits})
+        await same(f"query-block after qom-set {label}", p, r, "query-block", post=block)
+        await same(f"qom-get tg0 limits after {label}", p, r, "qom-get",
+                   {"path": "tg0", "property": "limits"})
+        zero = label == "all zero"
+        e = await wait_engine("direct" if zero else "qemu")
+        check(f"acceld's engine after qom-set {label}",
+              e is None or e[0] == ("direct" if zero else "qemu"), str(e))
+    await same("block_set_io_throttle all zero leaves tg0", p, r, "block_set_io_throttle",
+               throttle(0))
+    await same("query-block after leaving tg0", p, r, "query-block", post=block)
+    await same("object-del tg0 right after", p, r, "object-del", {"id": "tg0"})
+    await same("qom-set of a group no one has", p, r, "qom-set",
+               {"path": "tg0", "property": "limits", "value": {"iops-total": 1}})
     missing = throttle(5)
     del missing["iops_rd"]
     await same("block_set_io_throttle without iops_rd", p, r, "block_set_io_throttle", missing)

@@ -135,6 +135,9 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
              (the guest would not see the new size)",
         )),
         "migrate-set-capabilities" => migrate_caps(ctx, args).await,
+        "qom-set" if arg(&args, "property").and_then(Value::as_str) == Some("limits") => {
+            group_limits(ctx, args).await
+        }
         "nbd-server-start" => nbd::start(ctx, args).await,
         "nbd-server-stop" => nbd::stop(ctx).await,
         "block-export-add" => {
@@ -286,15 +289,49 @@ async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
     if drives.is_empty() {
         return forward(ctx, name, args).await;
     }
-    let held = hold(ctx, &drives, name, true).await?;
-    let r = forward(ctx, name, args).await;
+    // A backup's filter cannot go over a node in an iothread (QEMU 10.0 asserts): the
+    // export moves to QEMU's main loop for the backup. Every graph change runs with the
+    // drives' I/O paused (QEMU can hang in a drain under an NBD export with requests in
+    // flight).
+    let backup = starts_backup(name, &args);
+    let held = hold(ctx, &drives, name, backup).await?;
+    let r = match ctx
+        .sup
+        .quiesced(&ctx.vm, &drives, forward(ctx, name, args))
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => Err(generic(format!(
+            "acceld: cannot pause the drives' I/O for {name}: {}",
+            e.chain()
+        ))),
+    };
     release(ctx, held).await;
     r
 }
 
+/// A backup job (alone or in a transaction).
+fn starts_backup(cmd: &str, args: &Option<Map<String, Value>>) -> bool {
+    let backup = |t: &str| matches!(t, "drive-backup" | "blockdev-backup");
+    backup(cmd)
+        || (cmd == "transaction"
+            && arg(args, "actions")
+                .and_then(Value::as_array)
+                .is_some_and(|l| l.iter().any(|a| a["type"].as_str().is_some_and(backup))))
+}
+
 async fn hold_all(ctx: &Ctx, why: &str) -> Result<super::hold::Held, (String, String)> {
     let all: Vec<String> = ctx.drives().into_iter().map(|d| d.drive).collect();
-    hold(ctx, &all, why, true).await
+    // Not in QEMU's main loop: the VM stops, and QEMU's stop waits for acceld's drain, which
+    // waits for requests only a free main loop would serve.
+    if let Some(d) = ctx.drives().iter().find(|d| d.export_main_loop) {
+        return Err(generic(format!(
+            "acceld: drive '{}' is in a backup served from QEMU's main loop; stopping the VM now \
+             would hang QEMU 10.0: wait until the backup has ended",
+            d.drive
+        )));
+    }
+    hold(ctx, &all, why, false).await
 }
 
 /// `query-block` entries of the VM's drives; QEMU's own description of the data node for a
@@ -415,14 +452,45 @@ async fn migrate_caps(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
 /// it and the drive goes back to direct). Answers when the drive runs under the new limits.
 async fn set_throttle(ctx: &Ctx, d: &DriveStatus, a: Map<String, Value>) -> Reply {
     let limits = throttle::parse(&a)?;
-    if limits.is_none() && d.throttle.is_none() {
+    let group = throttle::group(&a);
+    if limits.is_none() && d.throttle.is_none() && d.throttle_group.is_none() {
         return Ok(json!({}));
     }
+    // All zero ends the throttle and the membership of a group, as in QEMU.
+    let leave = limits.is_none();
     ctx.sup
-        .set_throttle(&ctx.vm, &d.drive, limits)
+        .set_throttle_in_group(&ctx.vm, &d.drive, limits, group, leave)
         .await
         .map(|_| json!({}))
         .map_err(|e| generic(format!("acceld: {}", e.chain())))
+}
+
+/// `qom-set` of a throttle group's `limits`: QEMU sets the object's limits (management's
+/// `object-add`ed group, its other members included, and acceld's filter if it is in it),
+/// then each acceld drive in the group takes them: all zero lets it go direct, still a
+/// member. A group QEMU does not have (one made by `block_set_io_throttle group=`, while
+/// the drive is direct) gets QEMU's answer, as in QEMU, where such groups are not objects.
+async fn group_limits(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
+    let path = arg(&args, "path")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let value = arg(&args, "value").cloned().unwrap_or(Value::Null);
+    let mut members = Vec::new();
+    for d in ctx.drives() {
+        if d.throttle_group.as_deref() == Some(path.as_str()) {
+            let limits = throttle::parse_group_limits(&value, d.throttle.as_ref())?;
+            members.push((d.drive, limits));
+        }
+    }
+    let r = forward(ctx, "qom-set", args).await?;
+    for (drive, limits) in members {
+        ctx.sup
+            .set_throttle_in_group(&ctx.vm, &drive, limits, None, false)
+            .await
+            .map_err(|e| generic(format!("acceld: {}", e.chain())))?;
+    }
+    Ok(r)
 }
 
 #[cfg(test)]

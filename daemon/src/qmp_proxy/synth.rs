@@ -63,7 +63,10 @@ pub fn block_info(d: &DriveStatus, node: Option<&Value>) -> Value {
     if let Some(o) = inserted.as_object_mut() {
         o.remove("group");
     }
-    if d.throttle.is_some() {
+    if let Some(g) = &d.throttle_group {
+        // Management's group: the device stays a member with all-zero limits.
+        inserted["group"] = json!(g);
+    } else if d.throttle.is_some() {
         // QEMU names a device's own throttle group after its QOM path.
         inserted["group"] = json!(path);
     }

@@ -11,7 +11,7 @@ fn generic(desc: impl Into<String>) -> (String, String) {
 /// The six limits every `block_set_io_throttle` carries, in QEMU's order.
 const REQUIRED: [&str; 6] = ["bps", "bps_rd", "bps_wr", "iops", "iops_rd", "iops_wr"];
 /// The optional ones QEMU takes; acceld's throttle does not have them yet.
-const OPTIONAL: [&str; 15] = [
+const OPTIONAL: [&str; 14] = [
     "bps_max",
     "bps_rd_max",
     "bps_wr_max",
@@ -25,12 +25,55 @@ const OPTIONAL: [&str; 15] = [
     "iops_rd_max_length",
     "iops_wr_max_length",
     "iops_size",
-    "group",
     "device",
 ];
 
 /// QEMU's limit on every throttle value (`THROTTLE_VALUE_MAX`).
 const THROTTLE_VALUE_MAX: i64 = 1_000_000_000_000_000;
+
+/// The group a `block_set_io_throttle` names, if any.
+pub fn group(a: &Map<String, Value>) -> Option<String> {
+    a.get("group").and_then(Value::as_str).map(str::to_string)
+}
+
+/// A throttle group's `limits` (QEMU's `ThrottleLimits`, for `qom-set`) applied to the
+/// current ones as QEMU applies them: only the fields given change (0: unlimited). `None`
+/// when all are zero then. The burst and size fields acceld does not have must be absent or
+/// zero.
+pub fn parse_group_limits(
+    v: &Value,
+    current: Option<&ThrottleLimits>,
+) -> Result<Option<ThrottleLimits>, (String, String)> {
+    let Some(m) = v.as_object() else {
+        return Err(generic(
+            "Invalid parameter type for 'limits', expected: object",
+        ));
+    };
+    let mut l = current.cloned().unwrap_or_default();
+    for (k, x) in m {
+        let n = x.as_u64().ok_or_else(|| {
+            generic(format!(
+                "Invalid parameter type for '{k}', expected: integer"
+            ))
+        })?;
+        let slot = match k.as_str() {
+            "iops-total" => &mut l.iops_total,
+            "iops-read" => &mut l.iops_read,
+            "iops-write" => &mut l.iops_write,
+            "bps-total" => &mut l.bps_total,
+            "bps-read" => &mut l.bps_read,
+            "bps-write" => &mut l.bps_write,
+            _ if n == 0 => continue,
+            _ => {
+                return Err(generic(format!(
+                    "acceld's QMP proxy: '{k}' is not supported on an accelerated drive yet"
+                )))
+            }
+        };
+        *slot = (n > 0).then_some(n);
+    }
+    Ok((!l.is_empty()).then_some(l))
+}
 
 /// Parses `block_set_io_throttle`'s arguments as QEMU does (its texts), into acceld's limits
 /// (`None`: all zero, no throttle).
@@ -48,8 +91,15 @@ pub fn parse(a: &Map<String, Value>) -> Result<Option<ThrottleLimits>, (String, 
             }
         }
     }
+    if a.get("group")
+        .is_some_and(|g| !g.is_string() && !g.is_null())
+    {
+        return Err(generic(
+            "Invalid parameter type for 'group', expected: string",
+        ));
+    }
     for k in a.keys() {
-        if k == "id" || REQUIRED.contains(&k.as_str()) {
+        if k == "id" || k == "group" || REQUIRED.contains(&k.as_str()) {
             continue;
         }
         if !OPTIONAL.contains(&k.as_str()) {
@@ -129,6 +179,28 @@ mod tests {
         let mut neg = base.clone();
         neg["bps"] = json!(-1);
         assert!(parse(&args(neg)).unwrap_err().1.contains("must be within"));
+        let mut grouped = base.clone();
+        grouped["group"] = json!("tg0");
+        assert!(parse(&args(grouped.clone())).is_ok(), "a group is fine");
+        assert_eq!(group(&args(grouped)), Some("tg0".into()));
+        let gl = parse_group_limits(&json!({"iops-total": 700, "bps-read-max": 0}), None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(gl.iops_total, Some(700));
+        assert_eq!(
+            parse_group_limits(&json!({}), Some(&gl)).unwrap(),
+            Some(gl.clone()),
+            "absent fields keep their values, as in QEMU"
+        );
+        let both = parse_group_limits(&json!({"bps-write": 9}), Some(&gl))
+            .unwrap()
+            .unwrap();
+        assert_eq!((both.iops_total, both.bps_write), (Some(700), Some(9)));
+        assert_eq!(
+            parse_group_limits(&json!({"iops-total": 0}), Some(&gl)).unwrap(),
+            None
+        );
+        assert!(parse_group_limits(&json!({"iops-total-max": 9}), None).is_err());
         let mut max = base;
         max["iops_max"] = json!(0);
         assert!(

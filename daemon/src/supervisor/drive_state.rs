@@ -50,6 +50,10 @@ pub struct Intent {
     /// measured), so the QMP proxy asks for this before a backup. Cleared when the drive
     /// goes direct.
     pub main_loop_export: bool,
+    /// Management's throttle group for the drive (`block_set_io_throttle group=`, QMP
+    /// proxy); acceld's own `accel-tg-ID` when `None`. The drive stays a member with all-zero
+    /// limits, as a QEMU device does after a `qom-set` of zero limits on its group.
+    pub throttle_group: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -68,6 +72,11 @@ pub struct GraphRecord {
     pub data_node: Option<String>,
     /// acceld's export runs in QEMU's main loop (created without acceld's iothread).
     pub export_main_loop: bool,
+    /// The throttle group object existed before acceld's filter used it (management's
+    /// `object-add`): acceld neither deletes it nor lifts its limits.
+    pub group_external: bool,
+    /// The group acceld's filter uses now (`None`: not known, acceld's own name).
+    pub applied_group: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -144,6 +153,22 @@ impl ManagedDrive {
 
     pub fn id(&self) -> &str {
         &self.spec.id
+    }
+
+    /// The throttle group acceld's filter uses now.
+    pub fn applied_group(&self) -> String {
+        lock(&self.graph)
+            .applied_group
+            .clone()
+            .unwrap_or_else(|| super::qemu_graph::group_id(&self.spec.id))
+    }
+
+    /// The throttle group acceld's filter is to use: management's, or acceld's own.
+    pub fn group(&self) -> String {
+        lock(&self.intent)
+            .throttle_group
+            .clone()
+            .unwrap_or_else(|| super::qemu_graph::group_id(&self.spec.id))
     }
 
     /// Asks the vhost-user server to stop (it drains), without waiting.

@@ -378,6 +378,79 @@ impl Supervisor {
         self.act_now(&vmr, &d, urgent).await
     }
 
+    /// Runs `f` with the drives' I/O paused (drained: no request in flight on any engine,
+    /// the guest's new ones wait in the vrings) and no switch of them meanwhile. For the QMP
+    /// proxy: QEMU 10.0 can hang in a drain when the graph changes under an NBD export with
+    /// requests in flight (measured: a `blockdev-snapshot-sync` under the guest's I/O).
+    pub async fn quiesced<T>(
+        &self,
+        vm: &str,
+        drives: &[String],
+        f: impl std::future::Future<Output = T>,
+    ) -> Result<T, SupError> {
+        let vmr = self.vm(vm)?;
+        let mut ds = Vec::new();
+        for id in drives {
+            ds.push(vmr.drive(id)?);
+        }
+        ds.sort_by(|a, b| a.id().cmp(b.id()));
+        ds.dedup_by(|a, b| a.id() == b.id());
+        let mut ops = Vec::new();
+        for d in &ds {
+            ops.push(d.op.lock().await);
+        }
+        let mut paused = Vec::new();
+        for d in &ds {
+            let drive = d.drive.clone();
+            match tokio::task::block_in_place(|| drive.pause()) {
+                // Dropping the pause resumes on the same engine.
+                Ok(p) => paused.push(p),
+                Err(e) => {
+                    return Err(SupError::Switch(e));
+                }
+            }
+        }
+        let r = f.await;
+        drop(paused);
+        drop(ops);
+        Ok(r)
+    }
+
+    /// A throttle in management's group (`block_set_io_throttle group=`, or a `qom-set` of
+    /// the group's limits, through the QMP proxy). `group`: `Some` joins that group (the
+    /// drive's filter moves to it), `None` keeps the current one. With no limits the drive
+    /// stays a member (as a QEMU device does with all-zero limits in its group) unless
+    /// `leave` (QEMU's `block_set_io_throttle` with all zero ends the membership).
+    pub async fn set_throttle_in_group(
+        self: &Arc<Self>,
+        vm: &str,
+        drive: &str,
+        limits: Option<ThrottleLimits>,
+        group: Option<String>,
+        leave: bool,
+    ) -> Result<DriveStatus, SupError> {
+        let vmr = self.vm(vm)?;
+        let d = vmr.drive(drive)?;
+        let left = {
+            let mut i = lock(&d.intent);
+            if leave {
+                i.throttle_group.take().is_some()
+            } else {
+                if group.is_some() {
+                    i.throttle_group = group;
+                }
+                false
+            }
+        };
+        if left && limits.is_none() && lock(&d.graph).group_external {
+            // Management may delete its group right after: acceld's filter leaves it now,
+            // not after the quiet period.
+            lock(&d.intent).throttle = None;
+            return self.act_now(&vmr, &d, true).await;
+        }
+        self.set_throttle(vm, drive, limits).await
+    }
+
     /// Reconciles one drive now (operator request); `urgent` skips the quiet period.
     async fn act_now(
         self: &Arc<Self>,

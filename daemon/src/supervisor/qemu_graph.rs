@@ -39,13 +39,13 @@ fn limits_value(l: &ThrottleLimits) -> serde_json::Value {
 /// Sets the limits of the drive's throttle group (no switch).
 pub(super) async fn set_limits(
     qmp: &Qmp,
-    drive: &str,
+    d: &ManagedDrive,
     limits: &ThrottleLimits,
 ) -> Result<(), SupError> {
     qmp_run(
         qmp,
         &QomSet {
-            path: group_id(drive),
+            path: d.applied_group(),
             property: "limits".into(),
             value: limits_value(limits),
         },
@@ -55,13 +55,18 @@ pub(super) async fn set_limits(
 }
 
 /// Lifts every limit of the drive's group (before a drain: the throttle would hold it up).
-pub(super) async fn lift_limits(qmp: &Qmp, drive: &str) {
+/// Not management's own group: other devices may share it.
+pub(super) async fn lift_limits(qmp: &Qmp, d: &ManagedDrive) {
+    if lock(&d.graph).group_external {
+        return;
+    }
+    let drive = d.id();
     let unlimited = json!({"iops-total": 0, "iops-read": 0, "iops-write": 0,
                            "bps-total": 0, "bps-read": 0, "bps-write": 0});
     let r = qmp_run(
         qmp,
         &QomSet {
-            path: group_id(drive),
+            path: d.applied_group(),
             property: "limits".into(),
             value: unlimited,
         },
@@ -120,19 +125,37 @@ impl Supervisor {
             .unwrap_or_else(|| id.to_string());
         let top = match throttle {
             Some(l) => {
-                qmp_run(
+                let group = d.group();
+                let objs = qmp_run(
                     qmp,
-                    &ObjectAdd::throttle_group(&group_id(id), &limits_value(l)),
+                    &QomList {
+                        path: "/objects".into(),
+                    },
                 )
                 .await?;
+                // Management's own group (object-add): join it with these limits, as
+                // block_set_io_throttle does; otherwise acceld makes the group.
+                let external = objs.iter().any(|o| o.name == group);
+                {
+                    let mut g = lock(&d.graph);
+                    g.group_external = external;
+                    g.applied_group = Some(group.clone());
+                }
+                if external {
+                    set_limits(qmp, d, l).await?;
+                } else {
+                    qmp_run(qmp, &ObjectAdd::throttle_group(&group, &limits_value(l))).await?;
+                }
                 let r = qmp_run(
                     qmp,
                     &BlockdevAdd(json!({"driver": "throttle", "node-name": filter_node(id),
-                                        "throttle-group": group_id(id), "file": data})),
+                                        "throttle-group": group, "file": data})),
                 )
                 .await;
                 if let Err(e) = r {
-                    let _ = qmp_run(qmp, &ObjectDel { id: group_id(id) }).await;
+                    if !external {
+                        let _ = qmp_run(qmp, &ObjectDel { id: group }).await;
+                    }
                     return Err(e);
                 }
                 filter_node(id)
@@ -219,9 +242,15 @@ impl Supervisor {
             },
         )
         .await?;
-        let group = group_id(id);
-        if objs.iter().any(|o| o.name == group) {
+        let group = d.applied_group();
+        if !lock(&d.graph).group_external && objs.iter().any(|o| o.name == group) {
             qmp_run(qmp, &ObjectDel { id: group }).await?;
+        }
+        {
+            let mut g = lock(&d.graph);
+            g.applied_group = None;
+            g.group_external = false;
+            g.export_main_loop = false;
         }
         lock(&d.graph).applied_throttle = None;
         Ok(())

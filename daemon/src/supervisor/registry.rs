@@ -244,6 +244,7 @@ impl Supervisor {
                 pin_persistent: sd.pin.is_some(),
                 throttle: sd.throttle,
                 main_loop_export: false,
+                throttle_group: None,
             },
             GraphRecord {
                 device: None,
@@ -252,6 +253,8 @@ impl Supervisor {
                 applied_throttle: None,
                 data_node: None,
                 export_main_loop: false,
+                group_external: false,
+                applied_group: None,
             },
         )))
     }

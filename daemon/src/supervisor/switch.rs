@@ -58,7 +58,7 @@ impl Supervisor {
         match action {
             Action::Stay | Action::WaitQuiet => Ok(()),
             Action::Retune(limits) => {
-                set_limits(qmp, d.id(), &limits).await?;
+                set_limits(qmp, d, &limits).await?;
                 lock(&d.graph).applied_throttle = Some(limits);
                 Ok(())
             }
@@ -69,7 +69,7 @@ impl Supervisor {
                 if lift_throttle {
                     // The drain would otherwise wait for every request the throttle is holding
                     // back (in flight / limit seconds).
-                    lift_limits(qmp, d.id()).await;
+                    lift_limits(qmp, d).await;
                 }
                 self.transition(vm, d, qmp, Target::Direct(spec)).await
             }
