@@ -289,35 +289,23 @@ async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
     if drives.is_empty() {
         return forward(ctx, name, args).await;
     }
-    // A backup's filter cannot go over a node in an iothread (QEMU 10.0 asserts): the
-    // export moves to QEMU's main loop for the backup. Every graph change runs with the
-    // drives' I/O paused (QEMU can hang in a drain under an NBD export with requests in
-    // flight).
-    let backup = starts_backup(name, &args);
-    let held = hold(ctx, &drives, name, backup).await?;
-    let r = match ctx
-        .sup
-        .quiesced(&ctx.vm, &drives, forward(ctx, name, args))
-        .await
-    {
-        Ok(r) => r,
-        Err(e) => Err(generic(format!(
-            "acceld: cannot pause the drives' I/O for {name}: {}",
-            e.chain()
-        ))),
-    };
+    // QEMU 10.0 changes a graph badly around an NBD export in an iothread: a backup's filter
+    // asserts, opening a snapshot's overlay sometimes hangs the main loop in a drain (seen
+    // under acceld with its connections idle too; not reproduced with qemu-img clients). In
+    // QEMU's main loop neither happens, so the held drives' export moves there first; when
+    // the command leaves nothing on the drive's data (no job filter, overlay or pivot), it
+    // goes back to acceld's iothread right after.
+    let held = hold(ctx, &drives, name, true).await?;
+    let r = forward(ctx, name, args).await;
+    for d in ctx.drives() {
+        if drives.contains(&d.drive) && d.export_main_loop && d.data_node.is_none() {
+            if let Err(e) = ctx.sup.export_in_iothread(&ctx.vm, &d.drive).await {
+                tracing::warn!(vm = %ctx.vm, drive = %d.drive, "cannot move the export back to acceld's iothread: {}", e.chain());
+            }
+        }
+    }
     release(ctx, held).await;
     r
-}
-
-/// A backup job (alone or in a transaction).
-fn starts_backup(cmd: &str, args: &Option<Map<String, Value>>) -> bool {
-    let backup = |t: &str| matches!(t, "drive-backup" | "blockdev-backup");
-    backup(cmd)
-        || (cmd == "transaction"
-            && arg(args, "actions")
-                .and_then(Value::as_array)
-                .is_some_and(|l| l.iter().any(|a| a["type"].as_str().is_some_and(backup))))
 }
 
 async fn hold_all(ctx: &Ctx, why: &str) -> Result<super::hold::Held, (String, String)> {
@@ -326,8 +314,9 @@ async fn hold_all(ctx: &Ctx, why: &str) -> Result<super::hold::Held, (String, St
     // waits for requests only a free main loop would serve.
     if let Some(d) = ctx.drives().iter().find(|d| d.export_main_loop) {
         return Err(generic(format!(
-            "acceld: drive '{}' is in a backup served from QEMU's main loop; stopping the VM now \
-             would hang QEMU 10.0: wait until the backup has ended",
+            "acceld: drive '{}' is served from QEMU's main loop while a job, snapshot overlay or \
+             mirror target holds its data; stopping the VM now would hang QEMU 10.0: finish the \
+             job or commit the overlay first",
             d.drive
         )));
     }

@@ -378,42 +378,25 @@ impl Supervisor {
         self.act_now(&vmr, &d, urgent).await
     }
 
-    /// Runs `f` with the drives' I/O paused (drained: no request in flight on any engine,
-    /// the guest's new ones wait in the vrings) and no switch of them meanwhile. For the QMP
-    /// proxy: QEMU 10.0 can hang in a drain when the graph changes under an NBD export with
-    /// requests in flight (measured: a `blockdev-snapshot-sync` under the guest's I/O).
-    pub async fn quiesced<T>(
-        &self,
+    /// Moves the drive's export back to acceld's iothread (re-created there) if it runs in
+    /// QEMU's main loop and the drive's data is on its own node.
+    pub async fn export_in_iothread(
+        self: &Arc<Self>,
         vm: &str,
-        drives: &[String],
-        f: impl std::future::Future<Output = T>,
-    ) -> Result<T, SupError> {
+        drive: &str,
+    ) -> Result<DriveStatus, SupError> {
         let vmr = self.vm(vm)?;
-        let mut ds = Vec::new();
-        for id in drives {
-            ds.push(vmr.drive(id)?);
+        let d = vmr.drive(drive)?;
+        // Look at QEMU now: the command just run may have moved the export onto an overlay
+        // that lives only as long as the export (a re-creation would drop it).
+        let qmp = vmr.qmp()?;
+        let snap = observe::snapshot(&qmp).await?;
+        let _ = observe::view(&d, &snap);
+        if lock(&d.graph).data_node.is_some() {
+            return Ok(status::drive_status(&vmr, &d));
         }
-        ds.sort_by(|a, b| a.id().cmp(b.id()));
-        ds.dedup_by(|a, b| a.id() == b.id());
-        let mut ops = Vec::new();
-        for d in &ds {
-            ops.push(d.op.lock().await);
-        }
-        let mut paused = Vec::new();
-        for d in &ds {
-            let drive = d.drive.clone();
-            match tokio::task::block_in_place(|| drive.pause()) {
-                // Dropping the pause resumes on the same engine.
-                Ok(p) => paused.push(p),
-                Err(e) => {
-                    return Err(SupError::Switch(e));
-                }
-            }
-        }
-        let r = f.await;
-        drop(paused);
-        drop(ops);
-        Ok(r)
+        lock(&d.intent).main_loop_export = false;
+        self.act_now(&vmr, &d, true).await
     }
 
     /// A throttle in management's group (`block_set_io_throttle group=`, or a `qom-set` of
