@@ -76,7 +76,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     std::fs::File::create(&image)?.set_len(size)?;
     let run = dir.join("run");
     println!(
-        "[1/8] raw image {} ({} MiB); acceld run --run-dir {}",
+        "[1/9] raw image {} ({} MiB); acceld run --run-dir {}",
         image.display(),
         size >> 20,
         run.display()
@@ -99,7 +99,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
         "--cont",
     ])?;
     println!(
-        "[2/8] accelctl register --vm demo --qmp {} --drive {drive} --cont",
+        "[2/9] accelctl register --vm demo --qmp {} --drive {drive} --cont",
         qmp.display()
     );
     println!("      accelctl qemu-args --vm demo (the VM contract QEMU runs with):");
@@ -119,7 +119,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     )?;
     g.wait_for("READY", Duration::from_secs(180))?;
     println!(
-        "[3/8] guest (QEMU 10, TCG) up in {:.1} s: {writers} writers write random 4 KiB blocks and verify them",
+        "[3/9] guest (QEMU 10, TCG) up in {:.1} s: {writers} writers write random 4 KiB blocks and verify them",
         t0.elapsed().as_secs_f64()
     );
     std::thread::sleep(Duration::from_secs(2));
@@ -130,7 +130,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     acc.ctl_ok(&["throttle", "demo", "disk0", "--iops-total", "60"])?;
     acc.wait_engine("demo", "disk0", "qemu", Duration::from_secs(10))?;
     println!(
-        "[4/8] accelctl throttle demo disk0 --iops-total 60: on QEMU's block layer in {} ms",
+        "[4/9] accelctl throttle demo disk0 --iops-total 60: on QEMU's block layer in {} ms",
         t1.elapsed().as_millis()
     );
     std::thread::sleep(Duration::from_secs(3));
@@ -150,13 +150,78 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     acc.ctl_ok(&["throttle", "demo", "disk0", "--clear"])?;
     acc.wait_engine("demo", "disk0", "direct", Duration::from_secs(20))?;
     println!(
-        "[5/8] accelctl throttle demo disk0 --clear: direct again after the quiet period, in {} ms",
+        "[5/9] accelctl throttle demo disk0 --clear: direct again after the quiet period, in {} ms",
         t2.elapsed().as_millis()
     );
     std::thread::sleep(Duration::from_secs(2));
     print!("{}", indent(&acc.ctl_ok(&["status"])?));
     let filters = t.throttle_filters()?;
     println!("      QEMU's graph: throttle filters {filters:?}; drive node removed while direct");
+
+    // Management through the VM's QMP proxy, as it would talk to QEMU: an external snapshot
+    // of the accelerated drive, then an active commit back into the raw image.
+    let proxy = acc.run_dir.join("demo").join("monitor.sock");
+    let m = SideQmp::connect(&proxy)?;
+    let t4 = Instant::now();
+    let overlay = dir.join("disk0-overlay.qcow2");
+    m.cmd(
+        "blockdev-snapshot-sync",
+        serde_json::json!({"node-name": "disk0", "snapshot-file": overlay,
+                           "snapshot-node-name": "ov", "format": "qcow2"}),
+    )?;
+    let took = t4.elapsed();
+    let blk = m.cmd("query-block", serde_json::Value::Null)?;
+    let ins = blk
+        .as_array()
+        .and_then(|l| {
+            l.iter()
+                .find(|b| b["qdev"] == "/machine/peripheral/disk0/virtio-backend")
+        })
+        .map(|b| b["inserted"].clone())
+        .unwrap_or_default();
+    let d = acc.drive("demo", "disk0")?;
+    println!(
+        "[6/9] QMP proxy {}: blockdev-snapshot-sync in {} ms; query-block shows node {} ({}, backing depth {}); acceld: engine {}, data on {}",
+        proxy.display(),
+        took.as_millis(),
+        ins["node-name"],
+        ins["drv"],
+        ins["backing_file_depth"],
+        d["engine"],
+        d["data_node"]
+    );
+    let t5 = Instant::now();
+    m.cmd(
+        "block-commit",
+        serde_json::json!({"job-id": "commit0", "device": "ov"}),
+    )?;
+    loop {
+        let jobs = m.cmd("query-jobs", serde_json::Value::Null)?;
+        let j = jobs
+            .as_array()
+            .and_then(|l| l.iter().find(|j| j["id"] == "commit0"))
+            .cloned();
+        match j {
+            None => break,
+            Some(j) if j["status"] == "ready" => {
+                m.cmd("job-complete", serde_json::json!({"id": "commit0"}))?;
+            }
+            Some(j) if j["status"] == "concluded" => {
+                m.cmd("job-dismiss", serde_json::json!({"id": "commit0"}))?;
+            }
+            Some(_) => {}
+        }
+        if t5.elapsed() > Duration::from_secs(60) {
+            bail!("the commit did not end within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    acc.wait_engine("demo", "disk0", "direct", Duration::from_secs(20))?;
+    println!(
+        "      block-commit + job-complete through the proxy: back on the raw image and direct again in {} ms",
+        t5.elapsed().as_millis()
+    );
+    drop(m);
 
     // Live migration to a second acceld (another host sharing the storage, here another run
     // dir): accelctl registers the VM there, the destination QEMU waits with -incoming.
@@ -173,7 +238,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     )?;
     let uri = format!("unix:{}", dir.join("mig.sock").display());
     println!(
-        "[6/8] accelctl migrate demo --to {} --dest-qmp … --uri {uri}: in {:.1} s",
+        "[7/9] accelctl migrate demo --to {} --dest-qmp … --uri {uri}: in {:.1} s",
         run_b.display(),
         t3.elapsed().as_secs_f64()
     );
@@ -190,7 +255,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     let errors = guest_value(&out, "errors")?;
     let kerr = guest_value(&out, "kernel_errors")?;
     let md5 = guest_value(&out, "md5")?;
-    println!("[7/8] guest verdict (on the destination): {iters} write+read-back iterations, errors={errors}, kernel I/O errors={kerr}");
+    println!("[8/9] guest verdict (on the destination): {iters} write+read-back iterations, errors={errors}, kernel I/O errors={kerr}");
     let host = host_md5(&image, u64::from(writers) * 64 * 4096)?;
     println!(
         "      host md5 of the written region {host} ({} the guest's)",
@@ -202,7 +267,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
     );
     let st = acc.terminate()?;
     let st_b = acc_b.terminate()?;
-    println!("[8/8] the VM exited; both accelds stopped with SIGTERM: {st}, {st_b}");
+    println!("[9/9] the VM exited; both accelds stopped with SIGTERM: {st}, {st_b}");
     let pass = out.iter().any(|l| l.contains("RESULT: PASS"))
         && host == md5
         && st.success()
@@ -213,7 +278,7 @@ fn demo(dir: Option<PathBuf>, writers: u32) -> Result<()> {
             acc.log.display()
         );
     }
-    println!("RESULT: PASS — one guest disk, served directly, handed to QEMU's throttle and taken back, live-migrated to another acceld, under a guest that verified every block");
+    println!("RESULT: PASS — one guest disk, served directly, handed to QEMU's throttle and taken back, snapshotted and committed through the QMP proxy, live-migrated to another acceld, under a guest that verified every block");
     Ok(())
 }
 
