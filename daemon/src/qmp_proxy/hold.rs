@@ -51,72 +51,77 @@ pub async fn hold(
             continue;
         }
         let mut map = ctx.shared.holds.held.lock().await;
-        if let Some(e) = map.get_mut(drive) {
-            e.holders += 1;
-            taken.0.push(drive.clone());
-            if main_loop {
-                if let Err(e) = in_main_loop(ctx, drive, why).await {
-                    drop(map);
-                    release(ctx, taken).await;
-                    return Err(e);
-                }
-            }
-            continue;
+        if let Err(e) = take(ctx, &mut map, drive, why).await {
+            drop(map);
+            release(ctx, taken).await;
+            return Err(e);
         }
-        let status = ctx.drives().into_iter().find(|d| &d.drive == drive);
-        let prev = status.as_ref().and_then(|d| pin_of(d.pin));
-        let r = if prev == Some(Pin::Qemu) {
-            Ok(None)
-        } else {
-            ctx.sup
-                .set_pin(&ctx.vm, drive, Some(Pin::Qemu), false)
-                .await
-                .map_err(|e| e.chain())
-                .and_then(|s| {
-                    if s.engine == EngineKind::Qemu {
-                        Ok(Some(prev))
-                    } else {
-                        Err(format!("it stayed on the {:?} engine", s.engine))
-                    }
-                })
-        };
-        match r {
-            Ok(changed) => {
-                map.insert(
-                    drive.clone(),
-                    Entry {
-                        holders: 1,
-                        restore: changed,
-                    },
-                );
-                taken.0.push(drive.clone());
-                if main_loop {
-                    if let Err(e) = in_main_loop(ctx, drive, why).await {
-                        drop(map);
-                        release(ctx, taken).await;
-                        return Err(e);
-                    }
-                }
-            }
-            Err(why_not) => {
-                // Undo the pin set by the failed attempt, then what was taken before.
-                let _ = ctx.sup.set_pin(&ctx.vm, drive, prev, false).await;
+        taken.0.push(drive.clone());
+        if main_loop {
+            if let Err(e) = in_main_loop(ctx, drive, why).await {
                 drop(map);
                 release(ctx, taken).await;
-                return Err((
-                    "GenericError".into(),
-                    format!(
-                        "acceld: cannot move drive '{drive}' to QEMU's block layer for {why}: {why_not}"
-                    ),
-                ));
+                return Err(e);
             }
         }
     }
     Ok(taken)
 }
 
+/// One more holder of `drive`: the first puts it on the qemu engine (a temporary pin).
+async fn take(
+    ctx: &Ctx,
+    map: &mut HashMap<String, Entry>,
+    drive: &str,
+    why: &str,
+) -> Result<(), (String, String)> {
+    if let Some(e) = map.get_mut(drive) {
+        e.holders += 1;
+        return Ok(());
+    }
+    let status = ctx.drives().into_iter().find(|d| d.drive == drive);
+    let prev = status.as_ref().and_then(|d| pin_of(d.pin));
+    let r = if prev == Some(Pin::Qemu) {
+        Ok(None)
+    } else {
+        ctx.sup
+            .set_pin(&ctx.vm, drive, Some(Pin::Qemu), false)
+            .await
+            .map_err(|e| e.chain())
+            .and_then(|s| {
+                if s.engine == EngineKind::Qemu {
+                    Ok(Some(prev))
+                } else {
+                    Err(format!("it stayed on the {:?} engine", s.engine))
+                }
+            })
+    };
+    match r {
+        Ok(changed) => {
+            map.insert(
+                drive.to_string(),
+                Entry {
+                    holders: 1,
+                    restore: changed,
+                },
+            );
+            Ok(())
+        }
+        Err(why_not) => {
+            // Undo the pin set by the failed attempt (the caller gives back the rest).
+            let _ = ctx.sup.set_pin(&ctx.vm, drive, prev, false).await;
+            Err((
+                "GenericError".into(),
+                format!(
+                    "acceld: cannot move drive '{drive}' to QEMU's block layer for {why}: {why_not}"
+                ),
+            ))
+        }
+    }
+}
+
 async fn in_main_loop(ctx: &Ctx, drive: &str, why: &str) -> Result<(), (String, String)> {
-    match ctx.sup.export_in_main_loop(&ctx.vm, drive).await {
+    match ctx.sup.set_export_context(&ctx.vm, drive, true).await {
         Ok(s) if s.engine == EngineKind::Qemu => Ok(()),
         r => Err((
             "GenericError".into(),

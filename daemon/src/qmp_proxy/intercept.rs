@@ -299,7 +299,7 @@ async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
     let r = forward(ctx, name, args).await;
     for d in ctx.drives() {
         if drives.contains(&d.drive) && d.export_main_loop && d.data_node.is_none() {
-            if let Err(e) = ctx.sup.export_in_iothread(&ctx.vm, &d.drive).await {
+            if let Err(e) = ctx.sup.set_export_context(&ctx.vm, &d.drive, false).await {
                 tracing::warn!(vm = %ctx.vm, drive = %d.drive, "cannot move the export back to acceld's iothread: {}", e.chain());
             }
         }

@@ -290,35 +290,15 @@ async fn out_of_band(ctx: &intercept::Ctx, v: Value) -> Option<Value> {
 
 async fn run_oob(ctx: &intercept::Ctx, req: Request) -> Value {
     let id = req.id.as_ref();
-    let qmp = match ctx.sup.vm_qmp(&ctx.vm) {
-        Ok(q) => q,
-        Err(e) => {
-            return error_reply(
-                "GenericError",
-                &format!("acceld's QMP proxy: {}", e.chain()),
-                id,
-            )
-        }
-    };
     let yank = req.execute == "query-yank";
-    let mut r = qmp
-        .execute_oob_raw(
-            &req.execute,
-            req.arguments.map(Value::Object),
-            FORWARD_TIMEOUT,
-        )
-        .await;
-    if let (true, Ok(v)) = (yank, r.as_mut()) {
-        intercept::hide_own_yank(ctx, v);
-    }
-    match r {
-        Ok(v) => return_reply(v, id),
-        Err(qmp_client::QmpError::Qemu { class, desc, .. }) => error_reply(&class, &desc, id),
-        Err(e) => error_reply(
-            "GenericError",
-            &format!("acceld's QMP proxy: QEMU did not answer: {e}"),
-            id,
-        ),
+    match upstream(ctx, &req.execute, req.arguments, Via::OutOfBand).await {
+        Ok(mut v) => {
+            if yank {
+                intercept::hide_own_yank(ctx, &mut v);
+            }
+            return_reply(v, id)
+        }
+        Err((class, desc)) => error_reply(&class, &desc, id),
     }
 }
 
@@ -377,7 +357,7 @@ async fn handle(
     let r = match name {
         "getfd" | "add-fd" => {
             let r = match &fd {
-                Some(fd) => forward_with_fd(ctx, name, args, fd).await,
+                Some(fd) => upstream(ctx, name, args, Via::Fd(fd)).await,
                 // QEMU's own answer: no descriptor came.
                 None => forward(ctx, name, args).await,
             };
@@ -406,12 +386,22 @@ async fn handle(
     })
 }
 
-/// [`forward`] with a file descriptor passed along.
-async fn forward_with_fd(
+/// How a command goes to QEMU.
+enum Via<'a> {
+    InBand,
+    /// With a file descriptor attached (SCM_RIGHTS).
+    Fd(&'a std::os::fd::OwnedFd),
+    /// As `exec-oob`.
+    OutOfBand,
+}
+
+/// Sends a command to QEMU over acceld's connection; QEMU's answer, error class and text
+/// included.
+async fn upstream(
     ctx: &intercept::Ctx,
     name: &str,
     args: Option<Map<String, Value>>,
-    fd: &std::os::fd::OwnedFd,
+    via: Via<'_>,
 ) -> Result<Value, (String, String)> {
     use std::os::fd::AsFd;
     let qmp = ctx.sup.vm_qmp(&ctx.vm).map_err(|e| {
@@ -420,10 +410,16 @@ async fn forward_with_fd(
             format!("acceld's QMP proxy: {}", e.chain()),
         )
     })?;
-    match qmp
-        .execute_raw_with_fd(name, args.map(Value::Object), FORWARD_TIMEOUT, fd.as_fd())
-        .await
-    {
+    let args = args.map(Value::Object);
+    let r = match via {
+        Via::InBand => qmp.execute_raw_timeout(name, args, FORWARD_TIMEOUT).await,
+        Via::Fd(fd) => {
+            qmp.execute_raw_with_fd(name, args, FORWARD_TIMEOUT, fd.as_fd())
+                .await
+        }
+        Via::OutOfBand => qmp.execute_oob_raw(name, args, FORWARD_TIMEOUT).await,
+    };
+    match r {
         Ok(v) => Ok(v),
         Err(qmp_client::QmpError::Qemu { class, desc, .. }) => Err((class, desc)),
         Err(e) => Err((
@@ -439,23 +435,7 @@ pub(crate) async fn forward(
     name: &str,
     args: Option<Map<String, Value>>,
 ) -> Result<Value, (String, String)> {
-    let qmp = ctx.sup.vm_qmp(&ctx.vm).map_err(|e| {
-        (
-            "GenericError".to_string(),
-            format!("acceld's QMP proxy: {}", e.chain()),
-        )
-    })?;
-    match qmp
-        .execute_raw_timeout(name, args.map(Value::Object), FORWARD_TIMEOUT)
-        .await
-    {
-        Ok(v) => Ok(v),
-        Err(qmp_client::QmpError::Qemu { class, desc, .. }) => Err((class, desc)),
-        Err(e) => Err((
-            "GenericError".to_string(),
-            format!("acceld's QMP proxy: QEMU did not answer: {e}"),
-        )),
-    }
+    upstream(ctx, name, args, Via::InBand).await
 }
 
 async fn forward_events(sup: Arc<Supervisor>, vm: String, w: Writer, negotiated: Arc<AtomicBool>) {

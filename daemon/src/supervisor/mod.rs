@@ -313,27 +313,30 @@ impl Supervisor {
         self.act_now(&vmr, &d, true).await
     }
 
-    /// Has the drive's export run in QEMU's main loop (re-created there if it runs in acceld's
-    /// iothread) until the drive next goes direct. QEMU 10.0 changes a graph badly while an
-    /// NBD export in an iothread has requests in flight (measured: a backup's filter asserts in
-    /// `bdrv_insert_node`; snapshots and backups sometimes hang the main loop in a drain), and
-    /// management changes the graph while the guest's I/O flows. The QMP proxy asks for this
-    /// before every block command on the drive. The drive must be on the qemu engine (or go
-    /// there, with a pin).
-    pub async fn export_in_main_loop(
+    /// Where the drive's export runs: QEMU's main loop (`main_loop`, until the drive next goes
+    /// direct) or acceld's iothread; re-created there if it runs in the other. QEMU 10.0
+    /// changes a graph badly under an NBD export in an iothread (measured: a backup's filter
+    /// asserts in `bdrv_insert_node`; snapshots sometimes hang the main loop in a drain), so
+    /// the QMP proxy asks for the main loop before a block command on the drive, and for the
+    /// iothread after it. Nothing moves while the drive's data is on another node, judged
+    /// from a fresh look at QEMU: the command just run may have moved the export onto an
+    /// overlay that lives only as long as the export (a re-creation would drop it). The
+    /// drive must be on the qemu engine (or go there, with a pin).
+    pub async fn set_export_context(
         self: &Arc<Self>,
         vm: &str,
         drive: &str,
+        main_loop: bool,
     ) -> Result<DriveStatus, SupError> {
         let vmr = self.vm(vm)?;
         let d = vmr.drive(drive)?;
+        let qmp = vmr.qmp()?;
+        let snap = observe::snapshot(&qmp).await?;
+        let _ = observe::view(&d, &snap);
         if lock(&d.graph).data_node.is_some() {
-            // Re-creating the export would drop an implicit overlay (see set_throttle); the
-            // export stays where it is (in the main loop already if the proxy made the
-            // overlay).
             return Ok(status::drive_status(&vmr, &d));
         }
-        lock(&d.intent).main_loop_export = true;
+        lock(&d.intent).main_loop_export = main_loop;
         self.act_now(&vmr, &d, true).await
     }
 
@@ -376,27 +379,6 @@ impl Supervisor {
         let urgent = limits.is_some();
         lock(&d.intent).throttle = limits;
         self.act_now(&vmr, &d, urgent).await
-    }
-
-    /// Moves the drive's export back to acceld's iothread (re-created there) if it runs in
-    /// QEMU's main loop and the drive's data is on its own node.
-    pub async fn export_in_iothread(
-        self: &Arc<Self>,
-        vm: &str,
-        drive: &str,
-    ) -> Result<DriveStatus, SupError> {
-        let vmr = self.vm(vm)?;
-        let d = vmr.drive(drive)?;
-        // Look at QEMU now: the command just run may have moved the export onto an overlay
-        // that lives only as long as the export (a re-creation would drop it).
-        let qmp = vmr.qmp()?;
-        let snap = observe::snapshot(&qmp).await?;
-        let _ = observe::view(&d, &snap);
-        if lock(&d.graph).data_node.is_some() {
-            return Ok(status::drive_status(&vmr, &d));
-        }
-        lock(&d.intent).main_loop_export = false;
-        self.act_now(&vmr, &d, true).await
     }
 
     /// A throttle in management's group (`block_set_io_throttle group=`, or a `qom-set` of
