@@ -152,7 +152,9 @@ pub async fn release(ctx: &Ctx, held: Held) {
         map.remove(&drive);
         if let Some(prev) = changed {
             if let Err(e) = ctx.sup.set_pin(&ctx.vm, &drive, prev, false).await {
-                warn!(vm = %ctx.vm, drive, "QMP proxy: cannot release the drive: {}", e.chain());
+                if let Some(n) = ctx.shared.log.admit() {
+                    warn!(vm = %ctx.vm, drive, "QMP proxy: cannot release the drive: {}{}", e.chain(), crate::util::suppressed(n));
+                }
             }
         }
     }

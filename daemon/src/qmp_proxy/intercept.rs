@@ -300,7 +300,9 @@ async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
     for d in ctx.drives() {
         if drives.contains(&d.drive) && d.export_main_loop && d.data_node.is_none() {
             if let Err(e) = ctx.sup.set_export_context(&ctx.vm, &d.drive, false).await {
-                tracing::warn!(vm = %ctx.vm, drive = %d.drive, "cannot move the export back to acceld's iothread: {}", e.chain());
+                if let Some(n) = ctx.shared.log.admit() {
+                    tracing::warn!(vm = %ctx.vm, drive = %d.drive, "cannot move the export back to acceld's iothread: {}{}", e.chain(), crate::util::suppressed(n));
+                }
             }
         }
     }

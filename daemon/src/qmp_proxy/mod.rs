@@ -39,6 +39,8 @@ mod throttle;
 pub struct Shared {
     holds: hold::Holds,
     nbd: nbd::MgmtNbd,
+    /// Budget of the log lines management's commands can cause.
+    log: LogLimit,
 }
 
 pub use message::{check_request, Request, Shape};
@@ -177,8 +179,14 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
     let negotiated = Arc::new(AtomicBool::new(false));
     let oob_on = Arc::new(AtomicBool::new(false));
     let events = {
-        let (sup, vm, w, neg) = (sup.clone(), vm.clone(), w.clone(), negotiated.clone());
-        tokio::spawn(async move { forward_events(sup, vm, w, neg).await })
+        let (sup, vm, w, neg, log) = (
+            sup.clone(),
+            vm.clone(),
+            w.clone(),
+            negotiated.clone(),
+            log.clone(),
+        );
+        tokio::spawn(async move { forward_events(sup, vm, w, neg, log).await })
     };
     // In-band commands run one at a time, in order, in the worker; exec-oob ones at once.
     let (tx, rx) = tokio::sync::mpsc::channel::<Inband>(INBAND_QUEUE);
@@ -438,7 +446,13 @@ pub(crate) async fn forward(
     upstream(ctx, name, args, Via::InBand).await
 }
 
-async fn forward_events(sup: Arc<Supervisor>, vm: String, w: Writer, negotiated: Arc<AtomicBool>) {
+async fn forward_events(
+    sup: Arc<Supervisor>,
+    vm: String,
+    w: Writer,
+    negotiated: Arc<AtomicBool>,
+    log: Arc<LogLimit>,
+) {
     loop {
         // The connection to QEMU can be replaced (acceld re-attached): follow the current one.
         let Ok(qmp) = sup.vm_qmp(&vm) else {
@@ -467,7 +481,9 @@ async fn forward_events(sup: Arc<Supervisor>, vm: String, w: Writer, negotiated:
                             .pre_switchover_done(&vm, ev.timestamp, Duration::from_secs(30))
                             .await
                         {
-                            warn!(vm = %vm, "pre-switchover: acceld's part did not finish in 30 s; passing the event on");
+                            if let Some(k) = log.admit() {
+                                warn!(vm = %vm, "pre-switchover: acceld's part did not finish in 30 s; passing the event on{}", crate::util::suppressed(k));
+                            }
                         }
                     }
                     let v = json!({"event": ev.name, "data": ev.data,

@@ -125,7 +125,9 @@ pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
             )))
         }
     };
-    info!(vm = %ctx.vm, ?unix_path, "management's NBD server starts (piped to QEMU's server)");
+    if let Some(n) = ctx.shared.log.admit() {
+        info!(vm = %ctx.vm, ?unix_path, "management's NBD server starts (piped to QEMU's server){}", crate::util::suppressed(n));
+    }
     let task = tokio::spawn(serve(listener, upstream, max));
     *guard = Some(Server {
         task,
@@ -204,7 +206,9 @@ pub async fn stop(ctx: &Ctx) -> Reply {
             debug!(vm = %ctx.vm, export = %id, "management's export at NBD stop: {e}");
         }
     }
-    info!(vm = %ctx.vm, "management's NBD server stopped");
+    if let Some(n) = ctx.shared.log.admit() {
+        info!(vm = %ctx.vm, "management's NBD server stopped{}", crate::util::suppressed(n));
+    }
     Ok(json!({}))
 }
 

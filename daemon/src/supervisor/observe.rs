@@ -61,7 +61,10 @@ pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
         let mut g = lock(&d.graph);
         let data = (n != d.id()).then_some(n);
         if g.data_node != data {
-            tracing::info!(drive = d.id(), from = ?g.data_node, to = ?data, "the guest's data moved to another QEMU node");
+            // Management's graph changes cause these: budgeted with the drive's other lines.
+            if let Some(n) = d.log.admit() {
+                tracing::info!(drive = d.id(), from = ?g.data_node, to = ?data, "the guest's data moved to another QEMU node{}", crate::util::suppressed(n));
+            }
             g.data_node = data;
         }
     }
