@@ -257,3 +257,60 @@ fn export_dying_mid_request_gives_ioerr_not_a_hang() {
     );
     assert!(s.server.drive.stats.io_errors.load(Ordering::Relaxed) >= 1);
 }
+
+/// A switch to the qemu engine is over only when every queue's NBD handshake is: QEMU 10.0's
+/// server does not quiesce a client that joins an export during a drain, so a graph change
+/// made while acceld still connects hangs QEMU (seen through the QMP proxy). Here a relay in
+/// front of qemu-storage-daemon holds the queue's connection back until told.
+#[test]
+fn engine_is_ready_only_after_each_queue_handshake() {
+    use std::os::unix::net::{UnixListener, UnixStream};
+    let size = 4u64 << 20;
+    let dir = tempfile::Builder::new()
+        .prefix("accel-nbd")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let image = dir.path().join("disk.raw");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(size)
+        .unwrap();
+    let qsd = QsdNbd::start(&image, "raw", &dir.path().join("nbd.sock")).unwrap();
+    let relay = dir.path().join("relay.sock");
+    let listener = UnixListener::bind(&relay).unwrap();
+    let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
+    let upstream = qsd.socket.clone();
+    std::thread::spawn(move || {
+        let mut gate = Some(gate_rx);
+        for (n, c) in listener.incoming().enumerate() {
+            let Ok(c) = c else { return };
+            // The engine's probe (connection 0) passes; the queue's waits for the gate.
+            if n == 1 {
+                if let Some(g) = gate.take() {
+                    let _ = g.recv();
+                }
+            }
+            let up = UnixStream::connect(&upstream).unwrap();
+            let (mut a, mut b) = (c.try_clone().unwrap(), up.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut a, &mut b);
+                let _ = b.shutdown(std::net::Shutdown::Write);
+            });
+            let (mut a, mut b) = (up, c);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut a, &mut b);
+                let _ = b.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    let engine = NbdEngine::connect(&relay, &qsd.export).unwrap();
+    assert!(engine.wait_ready(Duration::from_millis(1)), "no queue yet");
+    let _q = engine.open_queue(0, 32).unwrap();
+    assert!(
+        !engine.wait_ready(Duration::from_millis(300)),
+        "ready while the handshake is held back"
+    );
+    gate_tx.send(()).unwrap();
+    assert!(engine.wait_ready(Duration::from_secs(10)));
+    assert_eq!(engine.stats().connections.load(Ordering::Relaxed), 1);
+}

@@ -11,6 +11,9 @@ use super::{Drive, QueueCtl};
 use crate::engine::{Engine, EngineError};
 use crate::util::lock;
 
+/// How long a switch waits for the new engine's queues to be set up (NBD handshakes).
+const READY_TIMEOUT: Duration = Duration::from_secs(5);
+
 #[derive(Debug, Error)]
 pub enum SwitchError {
     #[error("a switch is already running on drive {0}")]
@@ -161,6 +164,11 @@ impl Paused {
                 .last_pause_us
                 .store(pause.as_micros() as u64, Ordering::Relaxed);
             info!(drive = %d.cfg.name, from = %self.from, to = engine.io_path(), queues = self.queues, pause_us = pause.as_micros() as u64, "engine switched");
+            // The drive runs already; the switch is over for whoever comes next (a graph
+            // change on QEMU, say) once the new engine's queues are set up.
+            if !engine.wait_ready(READY_TIMEOUT) {
+                warn!(drive = %d.cfg.name, to = engine.io_path(), "the new engine's queues were not ready within {READY_TIMEOUT:?}");
+            }
         }
         Ok(SwitchReport {
             from: std::mem::take(&mut self.from),

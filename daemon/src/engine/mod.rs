@@ -138,4 +138,11 @@ pub trait Engine: Send + Sync {
     }
     /// A private context for queue `queue` that keeps up to `depth` operations in flight.
     fn open_queue(&self, queue: usize, depth: u32) -> Result<Box<dyn QueueIo>, EngineError>;
+    /// Waits (up to `timeout`) until every queue context opened so far can carry requests;
+    /// false on timeout. Contexts that set themselves up in the background (the qemu engine
+    /// connects from a thread) finish here; a context that failed counts as settled. Never
+    /// called from inside a vhost-user message.
+    fn wait_ready(&self, _timeout: std::time::Duration) -> bool {
+        true
+    }
 }

@@ -226,6 +226,7 @@ impl Engine for NbdEngine {
             sock: std::sync::OnceLock::new(),
             done,
             st: Mutex::new(ConnState::default()),
+            settled: std::sync::Condvar::new(),
             closing: AtomicBool::new(false),
             stats: self.stats.clone(),
             queue,
@@ -251,5 +252,16 @@ impl Engine for NbdEngine {
             iov: Vec::new(),
             next_slot: 0,
         }))
+    }
+
+    /// QEMU 10.0's NBD server marks a client quiescing only if it was a client when the drain
+    /// began: a connection still in its handshake when a drain starts (a snapshot, a job, a
+    /// VM stop) joins the export unquiesced, and the drain then waits for it forever with the
+    /// main loop spinning. So whoever makes a graph change after a switch to this engine waits
+    /// here first.
+    fn wait_ready(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let conns: Vec<Arc<Conn>> = lock(&self.conns).iter().filter_map(Weak::upgrade).collect();
+        conns.iter().all(|c| c.wait_settled(deadline))
     }
 }

@@ -6,7 +6,7 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use tracing::warn;
 use vmm_sys_util::eventfd::EventFd;
@@ -45,6 +45,8 @@ pub(super) struct ConnState {
     pub(super) inflight: HashMap<u32, Pending>,
     pub(super) completions: Vec<(u64, i32)>,
     pub(super) dead: bool,
+    /// The handshake is over: the export has this connection as a client.
+    pub(super) up: bool,
 }
 
 pub(super) struct Conn {
@@ -52,6 +54,8 @@ pub(super) struct Conn {
     pub(super) sock: std::sync::OnceLock<UnixStream>,
     pub(super) done: EventFd,
     pub(super) st: Mutex<ConnState>,
+    /// Notified when `up` or `dead` is set.
+    pub(super) settled: Condvar,
     /// Set by a deliberate close: EOF is then not an error.
     pub(super) closing: AtomicBool,
     pub(super) stats: Arc<NbdStats>,
@@ -59,6 +63,28 @@ pub(super) struct Conn {
 }
 
 impl Conn {
+    /// Marks the handshake done (the reader thread, right after it).
+    pub(super) fn set_up(&self) {
+        lock(&self.st).up = true;
+        self.settled.notify_all();
+    }
+
+    /// Waits until the connection is up or dead; false when `deadline` passes first.
+    pub(super) fn wait_settled(&self, deadline: std::time::Instant) -> bool {
+        let mut st = lock(&self.st);
+        while !st.up && !st.dead {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            st = match self.settled.wait_timeout(st, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        true
+    }
+
     pub(super) fn signal(&self) {
         let _ = self.done.write(1);
     }
@@ -78,6 +104,7 @@ impl Conn {
             .collect();
         st.completions.extend(failed);
         drop(st);
+        self.settled.notify_all();
         if let Some(s) = self.sock.get() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }

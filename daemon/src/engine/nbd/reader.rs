@@ -38,6 +38,7 @@ pub(super) fn connect_and_read(conn: &Conn, path: &Path, export: &str, want: Exp
     };
     let _ = conn.sock.set(sock);
     conn.stats.connections.fetch_add(1, Ordering::Relaxed);
+    conn.set_up();
     if conn.closing.load(Ordering::Relaxed) {
         if let Some(s) = conn.sock.get() {
             disconnect(s);
