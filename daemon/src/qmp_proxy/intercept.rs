@@ -289,13 +289,13 @@ async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
     if drives.is_empty() {
         return forward(ctx, name, args).await;
     }
-    // QEMU 10.0 changes a graph badly around an NBD export in an iothread: a backup's filter
-    // asserts, opening a snapshot's overlay sometimes hangs the main loop in a drain (seen
-    // under acceld with its connections idle too; not reproduced with qemu-img clients). In
-    // QEMU's main loop neither happens, so the held drives' export moves there first; when
-    // the command leaves nothing on the drive's data (no job filter, overlay or pivot), it
-    // goes back to acceld's iothread right after.
-    let held = hold(ctx, &drives, name, true).await?;
+    // QEMU 10.0.2 asserts inserting a backup's or a stream's filter over a node in an
+    // iothread (bdrv_insert_node), so for those acceld's export moves to QEMU's main loop
+    // first; when the command leaves nothing on the drive's data (no job filter, overlay or
+    // pivot), it goes back to acceld's iothread right after. Everything else runs with the
+    // export where it is.
+    let main_loop = inserts_filter(name, args.as_ref());
+    let held = hold(ctx, &drives, name, main_loop).await?;
     let r = forward(ctx, name, args).await;
     for d in ctx.drives() {
         if drives.contains(&d.drive) && d.export_main_loop && d.data_node.is_none() {
@@ -308,6 +308,26 @@ async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
     }
     release(ctx, held).await;
     r
+}
+
+/// Whether QEMU inserts a filter node (`bdrv_insert_node`) over the drive for this command: a
+/// backup's copy-before-write, a stream's copy-on-read; also as `transaction` actions.
+fn inserts_filter(name: &str, args: Option<&Map<String, Value>>) -> bool {
+    const INSERTING: [&str; 3] = ["drive-backup", "blockdev-backup", "block-stream"];
+    if INSERTING.contains(&name) {
+        return true;
+    }
+    name == "transaction"
+        && args
+            .and_then(|a| a.get("actions"))
+            .and_then(Value::as_array)
+            .is_some_and(|acts| {
+                acts.iter().any(|a| {
+                    a.get("type")
+                        .and_then(Value::as_str)
+                        .is_some_and(|t| INSERTING.contains(&t))
+                })
+            })
 }
 
 async fn hold_all(ctx: &Ctx, why: &str) -> Result<super::hold::Held, (String, String)> {
@@ -510,6 +530,30 @@ mod tests {
         match v {
             Value::Object(m) => Some(m),
             _ => None,
+        }
+    }
+
+    #[test]
+    fn which_commands_insert_a_filter() {
+        let t = |name: &str, v: Value| inserts_filter(name, args(v).as_ref());
+        assert!(t("drive-backup", json!({"device": "d0"})));
+        assert!(t("blockdev-backup", json!({})));
+        assert!(t("block-stream", json!({"device": "ov1"})));
+        let tx = |ty: &str| {
+            json!({"actions": [{"type": "block-dirty-bitmap-add", "data": {}},
+                                               {"type": ty, "data": {}}]})
+        };
+        assert!(t("transaction", tx("blockdev-backup")));
+        assert!(!t("transaction", tx("blockdev-snapshot")));
+        assert!(!t("transaction", json!({"actions": "bad"})));
+        assert!(!t("transaction", json!({})));
+        for name in [
+            "blockdev-snapshot-sync",
+            "block-commit",
+            "blockdev-mirror",
+            "drive-mirror",
+        ] {
+            assert!(!t(name, json!({"device": "d0"})), "{name}");
         }
     }
 
