@@ -137,7 +137,7 @@ impl Vm {
 }
 
 /// Whether acceld's QMP connection negotiates `oob` when QEMU offers it (see attach).
-const OOB_UPSTREAM: bool = false;
+const OOB_UPSTREAM: bool = true;
 
 fn pre_switchover(ev: &qmp_client::Event) -> bool {
     ev.name == "MIGRATION" && ev.data["status"] == "pre-switchover"
@@ -210,9 +210,8 @@ impl Supervisor {
 
     async fn attach_once(&self, vm: &Arc<Vm>) -> Result<(), SupError> {
         let attempts = (self.cfg.attach_timeout_ms / 50).max(1) as u32;
-        // Out-of-band stays off on acceld's connection for now: with it on, QEMU 10.0.2 died
-        // once at an HMP `loadvm` in CI (not confirmed as the cause). The QMP proxy then
-        // offers no oob (as pve-qemu); its exec-oob forwarding waits for this switch.
+        // Out-of-band on when QEMU offers it: the QMP proxy offers it to management exactly
+        // then (it forwards `exec-oob` on this connection).
         let qmp = qmp_client::connect_with_retry_oob(
             &vm.qmp_path,
             attempts,
