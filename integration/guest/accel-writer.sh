@@ -40,5 +40,6 @@ k=$(dmesg | grep -c -i -E 'I/O error|not a head')
 echo iterations=$n
 echo errors=$e
 echo kernel_errors=$k
+echo sectors=$(cat /sys/block/$short/size)
 echo md5=$(cat $files | md5sum | cut -d' ' -f1)
 if [ $e -eq 0 ] && [ $k -eq 0 ]; then echo "RESULT: PASS"; else echo "RESULT: FAIL"; fi

@@ -35,6 +35,8 @@ PROXY_OOB = False
 # default. ACCEL_QMP_GRAPH_TESTS=0 leaves them out (to bisect a failure elsewhere).
 GRAPH = os.environ.get("ACCEL_QMP_GRAPH_TESTS", "1") != "0"
 QOM = f"/machine/peripheral/{DRIVE}/virtio-backend"
+# The drive's size after block_resize (from 64 MiB); the Rust side checks that the guest sees it.
+RESIZED = 96 << 20
 failures = []
 
 
@@ -417,7 +419,7 @@ async def mirror_complete(p, r):
     async def mirror(q):
         f = side(q, "m2.raw")
         with open(f, "wb") as fh:
-            fh.truncate(64 << 20)
+            fh.truncate(RESIZED)
         a = await run(q, "blockdev-add", {"driver": "raw", "node-name": "m2",
                                           "file": {"driver": "file", "filename": f}})
         j = await job_run(q, "blockdev-mirror", {"job-id": "jm2", "device": DRIVE,
@@ -428,6 +430,30 @@ async def mirror_complete(p, r):
     e = engine()
     check("after the pivot the drive serves the target through QEMU's block layer",
           e is None or e == ("qemu", "m2"), str(e))
+
+
+async def resize(p, r):
+    """block_resize of the drive the guest keeps writing to: QEMU's replies and query-block,
+    errors included; the drive goes back to direct at its new size."""
+    await same("block_resize node-name=D to 96 MiB: reply", p, r, "block_resize",
+               {"node-name": DRIVE, "size": RESIZED})
+    await same("query-block after the resize (virtual-size)", p, r, "query-block",
+               post=block_entry)
+    await same("block_resize to the same size again", p, r, "block_resize",
+               {"node-name": DRIVE, "size": RESIZED})
+    await same("block_resize with a negative size", p, r, "block_resize",
+               {"node-name": DRIVE, "size": -1})
+    await same("block_resize device=D (a qdev id, not a BlockBackend)", p, r, "block_resize",
+               {"device": DRIVE, "size": RESIZED})
+    await same("block_resize of an unknown node", p, r, "block_resize",
+               {"node-name": "nope", "size": RESIZED})
+    e = await wait_engine("direct")
+    check("after the resize the drive goes back to direct", e is None or e == ("direct", None),
+          str(e))
+    kind, blk = await run(p, "query-block")
+    e = entry((kind, blk), "qdev", QOM) or {}
+    check("query-block shows the new size on the direct engine",
+          e.get("inserted", {}).get("image", {}).get("virtual-size") == RESIZED, json.dumps(e))
 
 
 async def nbd_server(p, r):
@@ -632,6 +658,7 @@ async def main():
     p, r = QMPClient("proxy"), QMPClient("reference")
     await p.connect(PROXY)
     await r.connect(REF)
+    await resize(p, r)
     if GRAPH:
         await mirror_complete(p, r)
     await p.disconnect()

@@ -129,5 +129,10 @@ fn proxy_answers_as_qemu_does_for_a_virtio_blk_drive() -> Result<()> {
         bail!("guest failed:\n{}", out.join("\n"));
     }
     assert_eq!(guest_value(&out, "errors")?, "0");
+    // block_resize through the proxy reached the guest (a config interrupt): 96 MiB.
+    assert_eq!(
+        guest_value(&out, "sectors")?,
+        (96u64 << 20 >> 9).to_string()
+    );
     Ok(())
 }

@@ -345,6 +345,7 @@ pub fn wanted_protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::INFLIGHT_SHMFD
         | VhostUserProtocolFeatures::LOG_SHMFD
+        | VhostUserProtocolFeatures::BACKEND_REQ
 }
 
 /// Connects and performs only the handshake (features, protocol features, config), as QEMU

@@ -481,6 +481,59 @@ fn write_cache_follows_the_driver() {
     assert_eq!(fe.request(0, T_IN, 0, &[], 4096).unwrap().1, data);
 }
 
+/// A resize reaches the frontend as QEMU's vhost-user-blk expects it: acceld keeps the backend
+/// channel the frontend gives (SET_BACKEND_REQ_FD) and sends
+/// VHOST_USER_BACKEND_CONFIG_CHANGE_MSG on it; GET_CONFIG then shows the new capacity, and
+/// requests past the old end are served.
+#[test]
+fn a_resize_reaches_the_frontend_on_the_backend_channel() {
+    use std::io::Read;
+    use vhost::vhost_user::message::VhostUserConfigFlags;
+    use vhost::vhost_user::VhostUserFrontend as _;
+    let s = TestServer::start(&ServerOptions::default());
+    let mut fe = connect(&s, 1);
+    let (mut mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    fe.frontend().set_backend_request_fd(&theirs).unwrap();
+    drop(theirs);
+    // No reply to wait for (REPLY_ACK is not asked for it): a round trip orders the two.
+    let config = |fe: &mut BlkFrontend| {
+        let (_, cfg) = fe
+            .frontend()
+            .get_config(0, 60, VhostUserConfigFlags::empty(), &[0u8; 60])
+            .unwrap();
+        u64::from_le_bytes(cfg[0..8].try_into().unwrap())
+    };
+    let old = s.drive.capacity();
+    assert_eq!(config(&mut fe), old / 512);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&s.image)
+        .unwrap()
+        .set_len(old * 2)
+        .unwrap();
+    assert_eq!(s.drive.set_capacity(old * 2), old * 2);
+    assert!(acceld::vhost::notify_config_change(&s.drive).unwrap());
+    mine.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut hdr = [0u8; 12];
+    mine.read_exact(&mut hdr).unwrap();
+    let word = |i: usize| u32::from_le_bytes(hdr[i..i + 4].try_into().unwrap());
+    assert_eq!(
+        (word(0), word(4), word(8)),
+        (2, 1, 0),
+        "CONFIG_CHANGE_MSG, version 1, no reply wanted, no payload"
+    );
+    assert_eq!(config(&mut fe), old * 2 / 512);
+    let data = patterned(0, 9, 4096);
+    assert_eq!(fe.request(0, T_OUT, old / 512, &data, 0).unwrap().0, S_OK);
+    assert_eq!(fe.request(0, T_IN, old / 512, &[], 4096).unwrap().1, data);
+    // Past the new end: IOERR, as before the resize past the old one.
+    assert_eq!(
+        fe.request(0, T_IN, old * 2 / 512, &[], 4096).unwrap().0,
+        S_IOERR
+    );
+}
+
 /// Writes one descriptor (16 bytes) of a table the test builds itself.
 fn put_desc(fe: &BlkFrontend, gpa: u64, addr: u64, len: u32, flags: u16, next: u16) {
     let mut d = [0u8; 16];

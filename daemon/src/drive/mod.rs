@@ -94,17 +94,6 @@ impl DriveConfig {
             read_only: self.read_only,
         }
     }
-
-    /// The config space, as QEMU 10's export would show it for this disk.
-    pub fn blk_config(&self, writeback: bool) -> BlkConfig {
-        let mut c = BlkConfig::qemu_like(
-            self.capacity_bytes >> SECTOR_SHIFT,
-            self.logical_block_size,
-            self.num_queues,
-        );
-        c.writeback = u8::from(writeback);
-        c
-    }
 }
 
 struct EngineState {
@@ -133,6 +122,12 @@ pub struct Drive {
     /// A migration's switchover released the image (flushed, unlocked, closed): how to open
     /// it again if the migration does not complete.
     handed_off: Mutex<Option<FileEngineConfig>>,
+    /// The disk's size as the guest sees it (whole logical blocks): the config's at start, a
+    /// resize's afterwards (see [`Drive::set_capacity`]).
+    capacity: std::sync::atomic::AtomicU64,
+    /// The frontend's backend channel (vhost-user `SET_BACKEND_REQ_FD`), kept by the vhost
+    /// layer to tell the frontend that the config space changed.
+    pub backend_channel: Mutex<Option<std::os::unix::net::UnixStream>>,
     pub stats: DriveStats,
     pub drain_timeout: Duration,
 }
@@ -140,8 +135,11 @@ pub struct Drive {
 impl Drive {
     pub fn new(cfg: DriveConfig, engine: Arc<dyn Engine>) -> Arc<Self> {
         let writeback = !cfg.read_only;
+        let capacity = std::sync::atomic::AtomicU64::new(cfg.capacity_bytes);
         Arc::new(Drive {
             cfg,
+            capacity,
+            backend_channel: Mutex::new(None),
             engine: Mutex::new(EngineState {
                 engine,
                 generation: 0,
@@ -158,8 +156,44 @@ impl Drive {
         })
     }
 
+    /// The drive's fixed configuration. Its `capacity_bytes` is the size at start; the live
+    /// size is [`Drive::capacity`].
     pub fn config(&self) -> &DriveConfig {
         &self.cfg
+    }
+
+    /// The disk's size now, in bytes (whole logical blocks).
+    pub fn capacity(&self) -> u64 {
+        self.capacity.load(Ordering::Acquire)
+    }
+
+    /// The image was resized (QEMU's `block_resize`, the drive paused): requests are checked
+    /// against `bytes`, rounded down to whole logical blocks, from now on, and the config
+    /// space shows it. Returns the new capacity.
+    pub fn set_capacity(&self, bytes: u64) -> u64 {
+        let block = u64::from(self.cfg.logical_block_size.max(1));
+        let c = bytes / block * block;
+        self.capacity.store(c, Ordering::Release);
+        c
+    }
+
+    /// Sectors, block size and read-only, with the live capacity.
+    pub fn geometry(&self) -> DiskGeometry {
+        DiskGeometry {
+            sectors: self.capacity() >> SECTOR_SHIFT,
+            ..self.cfg.geometry()
+        }
+    }
+
+    /// The config space as QEMU 10's export would show it now.
+    pub fn blk_config(&self) -> BlkConfig {
+        let mut c = BlkConfig::qemu_like(
+            self.capacity() >> SECTOR_SHIFT,
+            self.cfg.logical_block_size,
+            self.cfg.num_queues,
+        );
+        c.writeback = u8::from(self.writeback());
+        c
     }
 
     pub fn engine(&self) -> Arc<dyn Engine> {

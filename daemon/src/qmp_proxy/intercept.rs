@@ -130,10 +130,7 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
                 None => forward(ctx, name, args).await,
             }
         }
-        "block_resize" if !named_drives(&ctx.drives(), &args).is_empty() => Err(generic(
-            "acceld's QMP proxy: block_resize of an accelerated drive is not supported yet \
-             (the guest would not see the new size)",
-        )),
+        "block_resize" => resize(ctx, args).await,
         "migrate-set-capabilities" => migrate_caps(ctx, args).await,
         "qom-set" if arg(&args, "property").and_then(Value::as_str) == Some("limits") => {
             group_limits(ctx, args).await
@@ -308,6 +305,29 @@ async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
     }
     release(ctx, held).await;
     r
+}
+
+/// `block_resize` of an accelerated drive: held on QEMU's block layer, acceld's export off
+/// the node while QEMU resizes it (QEMU's NBD export forbids resizing its node), then served
+/// at the new size, which the guest is told (a config interrupt, as QEMU's own device gives).
+async fn resize(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
+    let name = "block_resize";
+    let drives = named_drives(&ctx.drives(), &args);
+    let [drive] = drives.as_slice() else {
+        return forward(ctx, name, args).await;
+    };
+    let held = hold(ctx, &drives, name, false).await?;
+    let r = ctx
+        .sup
+        .with_export_off(&ctx.vm, drive, || forward(ctx, name, args))
+        .await;
+    release(ctx, held).await;
+    r.unwrap_or_else(|e| {
+        Err(generic(format!(
+            "acceld: cannot resize drive '{drive}': {}",
+            e.chain()
+        )))
+    })
 }
 
 /// Whether QEMU inserts a filter node (`bdrv_insert_node`) over the drive for this command: a

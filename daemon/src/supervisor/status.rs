@@ -114,7 +114,7 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         writeback: d.drive.writeback(),
         image_released: d.drive.image_handed_off(),
         spec: Some(d.spec.clone()),
-        capacity_bytes: d.drive.config().capacity_bytes,
+        capacity_bytes: d.drive.capacity(),
     }
 }
 

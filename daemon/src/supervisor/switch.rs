@@ -167,7 +167,7 @@ impl Supervisor {
                 self.qemu_down(d, qmp).await?;
                 self.remove_nodes(d, qmp).await?;
                 let e = match FileEngine::open(file_config(&d.spec, spec)) {
-                    Ok(e) if e.size() >= d.drive.config().capacity_bytes => e,
+                    Ok(e) if e.size() >= d.drive.capacity() => e,
                     Ok(e) => {
                         e.release();
                         self.restore_nodes(d, qmp).await?;
@@ -198,7 +198,7 @@ impl Supervisor {
                     .qemu_up(d, qmp, &sock, throttle.as_ref(), after_incoming)
                     .await?;
                 let engine = block_in_place(|| NbdEngine::connect(&sock, &export))?;
-                if engine.info().size < d.drive.config().capacity_bytes {
+                if engine.info().size < d.drive.capacity() {
                     return Err(SupError::Invalid(format!(
                         "QEMU's export of {export} holds {} bytes, less than the disk the guest sees",
                         engine.info().size
@@ -211,4 +211,106 @@ impl Supervisor {
             }
         }
     }
+}
+
+impl Supervisor {
+    /// Runs `resize` (management's `block_resize`, forwarded by the QMP proxy) with acceld's
+    /// export off the drive's node, since QEMU's NBD export forbids resizing the node it
+    /// serves; then serves the drive on the qemu engine again at the node's new size, and
+    /// tells the guest (vhost-user config-change message). The drive must be on the qemu
+    /// engine with its data on its own node (the proxy holds it there first). The guest's
+    /// requests wait in the vring meanwhile.
+    pub async fn with_export_off<T, Fut>(
+        self: &Arc<Self>,
+        vm: &str,
+        drive: &str,
+        resize: impl FnOnce() -> Fut,
+    ) -> Result<T, SupError>
+    where
+        Fut: std::future::Future<Output = T>,
+    {
+        let vmr = self.vm(vm)?;
+        let d = vmr.drive(drive)?;
+        let qmp = vmr.qmp()?;
+        let _op = d.op.lock().await;
+        if d.engine_kind() != EngineKind::Qemu {
+            return Err(SupError::Invalid(format!(
+                "drive '{drive}' is not on QEMU's block layer"
+            )));
+        }
+        if let Some(n) = lock(&d.graph).data_node.clone() {
+            return Err(SupError::Invalid(format!(
+                "the guest's data is on node '{n}' now (an external snapshot, a job's filter or \
+                 a mirror's pivot); resize it when the drive's data is on its own node again"
+            )));
+        }
+        let dr = d.drive.clone();
+        let paused = block_in_place(|| dr.pause())?;
+        dr.engine().release();
+        if let Err(e) = self.qemu_down(&d, &qmp).await {
+            self.serve_again(&vmr, &d, &qmp, paused).await;
+            return Err(e);
+        }
+        let out = resize().await;
+        let was = d.drive.capacity();
+        let size = node_size(&qmp, d.id()).await;
+        let now = match size {
+            Ok(s) if s != was => Some(d.drive.set_capacity(s)),
+            Ok(_) => None,
+            Err(e) => {
+                warn!(vm = %vmr.name, drive, "cannot read the node's size after a resize: {}", e.chain());
+                None
+            }
+        };
+        self.serve_again(&vmr, &d, &qmp, paused).await;
+        if let Some(now) = now {
+            info!(vm = %vmr.name, drive, was, now, "drive resized");
+            match crate::vhost::notify_config_change(&d.drive) {
+                Ok(true) => {}
+                Ok(false) => {
+                    warn!(vm = %vmr.name, drive, "the frontend gave no backend channel: the guest sees the new size after its next reset")
+                }
+                Err(e) => {
+                    warn!(vm = %vmr.name, drive, "cannot tell the frontend about the new size: {e}")
+                }
+            }
+        }
+        self.save();
+        Ok(out)
+    }
+
+    /// Ends a pause of `with_export_off` on a fresh qemu engine (the drive holds if that
+    /// fails, and the next look at QEMU retries).
+    async fn serve_again(
+        &self,
+        vm: &Arc<Vm>,
+        d: &Arc<ManagedDrive>,
+        qmp: &Arc<Qmp>,
+        paused: crate::drive::Paused,
+    ) {
+        let up = self.bring_up(vm, d, qmp, &Target::Qemu).await;
+        let res = match up {
+            Ok(engine) => block_in_place(|| paused.resume(engine)).map_err(|(p, e)| (p, e.into())),
+            Err(e) => Err((paused, e)),
+        };
+        if let Err((paused, e)) = res {
+            let e: SupError = e;
+            if let Some(n) = d.log.admit() {
+                warn!(vm = %vm.name, drive = %d.spec.id, "cannot serve the drive again after a resize, holding its requests: {}{}", e.chain(), crate::util::suppressed(n));
+            }
+            lock(&d.stats).last_error = Some(e.chain());
+            let _ = block_in_place(|| paused.resume(Arc::new(HeldEngine)));
+            d.set_engine(EngineKind::Held);
+        }
+    }
+}
+
+/// The virtual size QEMU shows for node `name`.
+async fn node_size(qmp: &Qmp, name: &str) -> Result<u64, SupError> {
+    let nodes = super::qmp_run(qmp, &qmp_client::commands::QueryNamedBlockNodes::default()).await?;
+    nodes
+        .iter()
+        .find(|n| n["node-name"].as_str() == Some(name))
+        .and_then(|n| n["image"]["virtual-size"].as_u64())
+        .ok_or_else(|| SupError::Parse(format!("no virtual size for node {name}")))
 }

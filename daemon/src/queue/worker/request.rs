@@ -188,7 +188,7 @@ impl Worker {
         } else {
             None
         };
-        virtio_blk::validate(&self.drive.config().geometry(), h, &self.layout, dwz)
+        virtio_blk::validate(&self.drive.geometry(), h, &self.layout, dwz)
     }
 
     pub(super) fn dispatch(&mut self, idx: usize) {

@@ -36,6 +36,10 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap};
 use vmm_sys_util::eventfd::EventFd;
 
+mod backend_channel;
+
+pub use backend_channel::notify_config_change;
+
 use crate::drive::Drive;
 use crate::guest_mem::dirty_log::{DirtyLog, LogMap};
 use crate::guest_mem::{Mem, MemHandle};
@@ -47,10 +51,12 @@ use crate::virtio_blk::{self, CONFIG_LEN, CONFIG_WRITEBACK_OFFSET};
 /// Memory slots we accept (libvhost-user and QEMU's export use the same number).
 const MAX_MEM_SLOTS: u64 = 509;
 
-/// The protocol features acceld implements. Not offered: BACKEND_REQ/BACKEND_SEND_FD,
+/// The protocol features acceld implements. BACKEND_REQ is only for the config-change
+/// message after a resize (see `backend_channel`). Not offered: BACKEND_SEND_FD,
 /// HOST_NOTIFIER, PAGEFAULT (postcopy), DEVICE_STATE (virtio-blk has no backend state).
 pub fn protocol_features() -> VhostUserProtocolFeatures {
     VhostUserProtocolFeatures::MQ
+        | VhostUserProtocolFeatures::BACKEND_REQ
         | VhostUserProtocolFeatures::LOG_SHMFD
         | VhostUserProtocolFeatures::CONFIG
         | VhostUserProtocolFeatures::REPLY_ACK
@@ -599,11 +605,7 @@ impl VhostUserBackendReqHandlerMut for Connection {
         size: u32,
         _flags: VhostUserConfigFlags,
     ) -> VuResult<Vec<u8>> {
-        let cfg = self
-            .drive
-            .config()
-            .blk_config(self.drive.writeback())
-            .to_bytes();
+        let cfg = self.drive.blk_config().to_bytes();
         let (offset, size) = (offset as usize, size as usize);
         let end = offset.checked_add(size).ok_or(VuError::InvalidParam)?;
         if end > 256 {
@@ -862,6 +864,9 @@ impl Server {
                         break;
                     }
                 }
+                if let Some(ch) = backend_channel::peek(handler.as_raw_fd()) {
+                    *lock(&self.drive.backend_channel) = Some(ch);
+                }
                 match handler.handle_request() {
                     Ok(()) => {}
                     // The frontend's request was answered with an error; the stream is
@@ -897,6 +902,7 @@ impl Server {
             }
             // Drain before the socket closes (dropping the handler closes it).
             lock(&conn).stop_all();
+            *lock(&self.drive.backend_channel) = None;
             drop(handler);
         }
         Ok(())
