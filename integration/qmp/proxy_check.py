@@ -86,6 +86,16 @@ def engine():
     return None
 
 
+def export_main_loop():
+    """Whether acceld's export of the drive runs in QEMU's main loop (acceld's status)."""
+    if not ACCELCTL:
+        return None
+    st = json.loads(subprocess.run(ACCELCTL + ["status", "--json"], check=True,
+                                   capture_output=True, text=True).stdout)
+    return next((d.get("export_main_loop") for vm in st["vms"] for d in vm["drives"]
+                 if d["drive"] == DRIVE), None)
+
+
 async def wait_engine(want, timeout=20.0):
     t0 = time.monotonic()
     while True:
@@ -350,6 +360,38 @@ async def block_jobs(p, r):
     e = await wait_engine("direct")
     check("after the backup the drive goes back to direct", e is None or e[0] == "direct", str(e))
 
+    # A slow backup, and the VM stopped and continued while it runs: acceld's export moved to
+    # QEMU's main loop for the filter's insertion and back to its iothread over the filter
+    # right after, so QEMU's stop (which waits for acceld's rings) does not deadlock.
+    during = {}
+
+    async def slow_backup(q):
+        a = await run(q, "drive-backup", {"job-id": "b2", "device": DRIVE, "sync": "full",
+                                          "target": side(q, "backup2.raw"), "format": "raw",
+                                          "speed": 1 << 20})
+        if q is p:
+            # The reference VM stays in prelaunch (its guest never runs): stop only here.
+            during["main_loop"] = export_main_loop()
+            lis = EventListener(("STOP", "RESUME"))
+            q.register_listener(lis)
+            during["stop"] = await asyncio.wait_for(run(q, "stop"), 20)
+            during["status"] = (await q.execute("query-status"))["status"]
+            during["cont"] = await run(q, "cont")
+            await asyncio.sleep(0.2)
+            q.remove_listener(lis)
+            during["events"] = [e["event"] for e in lis.history]
+        j = await job_run(q, "block-job-set-speed", {"device": "b2", "speed": 0}, "b2")
+        return a, j[0]
+    await both("drive-backup at 1 MiB/s: replies", p, r, slow_backup)
+    check("during the backup acceld's export runs in its iothread (over the job's filter)",
+          during.get("main_loop") is False, str(during))
+    check("stop and cont during the backup: replies, paused, STOP and RESUME",
+          (during.get("stop"), during.get("status"), during.get("cont"), during.get("events"))
+          == (("return", {}), "paused", ("return", {}), ["STOP", "RESUME"]), str(during))
+    e = await wait_engine("direct")
+    check("after the slow backup the drive goes back to direct", e is None or e[0] == "direct",
+          str(e))
+
     async def mirror(q, tag, at_ready):
         f = side(q, tag + ".raw")
         with open(f, "wb") as fh:
@@ -435,8 +477,15 @@ async def mirror_complete(p, r):
 async def resize(p, r):
     """block_resize of the drive the guest keeps writing to: QEMU's replies and query-block,
     errors included; the drive goes back to direct at its new size."""
-    await same("block_resize node-name=D to 96 MiB: reply", p, r, "block_resize",
-               {"node-name": DRIVE, "size": RESIZED})
+    args = {"node-name": DRIVE, "size": RESIZED}
+    t0 = time.monotonic()
+    rp = await run(p, "block_resize", args)
+    t1 = time.monotonic()
+    rr = await run(r, "block_resize", args)
+    t2 = time.monotonic()
+    check("block_resize node-name=D to 96 MiB: reply", rp == rr, f"{rp} vs {rr}")
+    print(f"info block_resize: {(t1 - t0) * 1000:.0f} ms through the proxy (hold, export off "
+          f"and back, guest told), {(t2 - t1) * 1000:.0f} ms on the reference")
     await same("query-block after the resize (virtual-size)", p, r, "query-block",
                post=block_entry)
     await same("block_resize to the same size again", p, r, "block_resize",

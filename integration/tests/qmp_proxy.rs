@@ -136,3 +136,67 @@ fn proxy_answers_as_qemu_does_for_a_virtio_blk_drive() -> Result<()> {
     );
     Ok(())
 }
+
+/// `block_resize` through the proxy while the VM is still in prelaunch (the guest's driver has
+/// not started the device): QEMU drops the config-change message then and keeps the config
+/// it read at connect, so acceld has it read the config again (`device-sync-config`); the
+/// guest boots seeing the new size, and writes and reads past the old end.
+#[test]
+fn resize_before_the_guest_runs_is_seen_at_boot() -> Result<()> {
+    let py = python()?;
+    let dir = tempfile::Builder::new()
+        .prefix("accel-qmpresize")
+        .tempdir_in("/var/tmp")?;
+    let img = dir.path().join("d0.raw");
+    std::fs::File::create(&img)?.set_len(32 << 20)?;
+    let acc = AcceldRun::start(&dir.path().join("run"), "poll-interval-ms = 200\n")?;
+    let qmp = dir.path().join("qmp.sock");
+    acc.ctl_ok(&[
+        "register",
+        "--vm",
+        "vm1",
+        "--qmp",
+        qmp.to_str().unwrap(),
+        "--drive",
+        &format!("id=d0,image={}", img.display()),
+    ])?;
+    let proxy = acc.run_dir.join("vm1").join("monitor.sock");
+    // The guest writes 40 MiB: past the old end, inside the new one.
+    let mut vm = Instance::boot_registered(
+        &acc,
+        "vm1",
+        &dir.path().join("side.sock"),
+        &[],
+        &accel_integration::report_and_verify_script(40),
+    )?;
+    acc.wait_attached("vm1", Duration::from_secs(30))?;
+    let script = r#"
+import asyncio, sys
+from qemu.qmp import QMPClient
+async def main():
+    q = QMPClient("mgmt")
+    await q.connect(sys.argv[1])
+    assert (await q.execute("query-status"))["status"] == "prelaunch"
+    print("resize:", await q.execute("block_resize", {"node-name": "d0", "size": 48 << 20}))
+    await q.execute("cont")
+    await q.disconnect()
+asyncio.run(main())
+"#;
+    let out = Command::new(&py)
+        .args(["-c", script])
+        .arg(&proxy)
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "management's client failed: {}{}\nacceld log:\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            acc.log_text()
+        );
+    }
+    let out = vm.guest.wait_exit(Duration::from_secs(180))?;
+    assert_eq!(guest_value(&out, "size")?, (48u64 << 20 >> 9).to_string());
+    assert_eq!(guest_value(&out, "verify")?, "ok");
+    assert_eq!(std::fs::metadata(&img)?.len(), 48 << 20);
+    Ok(())
+}

@@ -162,6 +162,14 @@ pub struct BlockdevDel {
 }
 with_args!(BlockdevDel, "blockdev-del", Value);
 
+/// Makes a device read its config from the backend again and interrupt the guest (QEMU 9.2+,
+/// unstable; refused during a migration).
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceSyncConfig {
+    pub id: String,
+}
+with_args!(DeviceSyncConfig, "device-sync-config", Value);
+
 #[derive(Clone, Debug, Serialize)]
 pub struct BlockdevSetActive {
     #[serde(rename = "node-name", skip_serializing_if = "Option::is_none")]

@@ -177,6 +177,11 @@ impl Drive {
         c
     }
 
+    /// Whether any queue runs (the guest's driver started the device).
+    pub fn has_running_queues(&self) -> bool {
+        !lock(&self.running).is_empty()
+    }
+
     /// Sectors, block size and read-only, with the live capacity.
     pub fn geometry(&self) -> DiskGeometry {
         DiskGeometry {

@@ -288,14 +288,14 @@ async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
     }
     // QEMU 10.0.2 asserts inserting a backup's or a stream's filter over a node in an
     // iothread (bdrv_insert_node), so for those acceld's export moves to QEMU's main loop
-    // first; when the command leaves nothing on the drive's data (no job filter, overlay or
-    // pivot), it goes back to acceld's iothread right after. Everything else runs with the
+    // first, and back to acceld's iothread right after, over the job's filter (a VM stop
+    // with the export in the main loop would deadlock QEMU). Everything else runs with the
     // export where it is.
     let main_loop = inserts_filter(name, args.as_ref());
     let held = hold(ctx, &drives, name, main_loop).await?;
     let r = forward(ctx, name, args).await;
     for d in ctx.drives() {
-        if drives.contains(&d.drive) && d.export_main_loop && d.data_node.is_none() {
+        if drives.contains(&d.drive) && d.export_main_loop {
             if let Err(e) = ctx.sup.set_export_context(&ctx.vm, &d.drive, false).await {
                 if let Some(n) = ctx.shared.log.admit() {
                     tracing::warn!(vm = %ctx.vm, drive = %d.drive, "cannot move the export back to acceld's iothread: {}{}", e.chain(), crate::util::suppressed(n));

@@ -265,18 +265,33 @@ impl Supervisor {
         self.serve_again(&vmr, &d, &qmp, paused).await;
         if let Some(now) = now {
             info!(vm = %vmr.name, drive, was, now, "drive resized");
-            match crate::vhost::notify_config_change(&d.drive) {
-                Ok(true) => {}
-                Ok(false) => {
-                    warn!(vm = %vmr.name, drive, "the frontend gave no backend channel: the guest sees the new size after its next reset")
-                }
-                Err(e) => {
-                    warn!(vm = %vmr.name, drive, "cannot tell the frontend about the new size: {e}")
-                }
-            }
+            self.tell_new_size(&vmr, &d, &qmp).await;
         }
         self.save();
         Ok(out)
+    }
+
+    /// Tells QEMU's vhost-user-blk that the config space changed. The backend channel's
+    /// message is what QEMU acts on while the device runs; QEMU drops it while the guest's
+    /// driver has not started the device (it keeps the config it read at connect), so then
+    /// `device-sync-config` makes it read the config again.
+    async fn tell_new_size(&self, vm: &Arc<Vm>, d: &Arc<ManagedDrive>, qmp: &Qmp) {
+        let sent = match crate::vhost::notify_config_change(&d.drive) {
+            Ok(sent) => sent,
+            Err(e) => {
+                warn!(vm = %vm.name, drive = %d.spec.id, "cannot send the config-change message: {e}");
+                false
+            }
+        };
+        if sent && d.drive.has_running_queues() {
+            return;
+        }
+        let sync = qmp_client::commands::DeviceSyncConfig {
+            id: d.spec.id.clone(),
+        };
+        if let Err(e) = super::qmp_run(qmp, &sync).await {
+            warn!(vm = %vm.name, drive = %d.spec.id, "QEMU's device keeps the old size until the guest resets it: {}", e.chain());
+        }
     }
 
     /// Ends a pause of `with_export_off` on a fresh qemu engine (the drive holds if that
