@@ -174,9 +174,6 @@ pub struct DriveStatus {
     /// Management's throttle group of the drive (QMP proxy), if it named one.
     #[serde(default)]
     pub throttle_group: Option<String>,
-    /// acceld's export runs in QEMU's main loop (a backup), not in acceld's iothread.
-    #[serde(default)]
-    pub export_main_loop: bool,
 }
 
 /// One VM.
@@ -325,7 +322,6 @@ mod tests {
             capacity_bytes: 0,
             data_node: None,
             throttle_group: None,
-            export_main_loop: false,
         };
         let s = Status {
             vms: vec![VmStatus {

@@ -86,16 +86,6 @@ def engine():
     return None
 
 
-def export_main_loop():
-    """Whether acceld's export of the drive runs in QEMU's main loop (acceld's status)."""
-    if not ACCELCTL:
-        return None
-    st = json.loads(subprocess.run(ACCELCTL + ["status", "--json"], check=True,
-                                   capture_output=True, text=True).stdout)
-    return next((d.get("export_main_loop") for vm in st["vms"] for d in vm["drives"]
-                 if d["drive"] == DRIVE), None)
-
-
 async def wait_engine(want, timeout=20.0):
     t0 = time.monotonic()
     while True:
@@ -112,6 +102,20 @@ def side(qmp, name):
 
 JOB_EVENTS = ("JOB_STATUS_CHANGE", "BLOCK_JOB_READY", "BLOCK_JOB_COMPLETED",
               "BLOCK_JOB_CANCELLED", "BLOCK_JOB_ERROR", "BLOCK_JOB_PENDING")
+
+
+def drop_drain_pauses(states):
+    """A drain of a job's nodes pauses a running job for a moment (running, paused, running):
+    whether one happens depends on timing (QEMU's own graph work, where the export runs), not
+    on the command, so such a pause is left out of the comparison."""
+    out, i = [], 0
+    while i < len(states):
+        if states[i] == "paused" and states[i + 1:i + 2] == ["running"] and out[-1:] == ["running"]:
+            i += 2
+            continue
+        out.append(states[i])
+        i += 1
+    return out
 
 
 async def job_run(qmp, cmd, args, jid, at_ready=None):
@@ -137,6 +141,7 @@ async def job_run(qmp, cmd, args, jid, at_ready=None):
     await asyncio.sleep(0.2)
     qmp.remove_listener(lis)
     states = [e["data"]["status"] for e in lis.history if e["event"] == "JOB_STATUS_CHANGE"]
+    states = drop_drain_pauses(states)
     others = [e["event"] for e in lis.history if e["event"] != "JOB_STATUS_CHANGE"]
     return reply, states, others, ready_reply
 
@@ -360,9 +365,9 @@ async def block_jobs(p, r):
     e = await wait_engine("direct")
     check("after the backup the drive goes back to direct", e is None or e[0] == "direct", str(e))
 
-    # A slow backup, and the VM stopped and continued while it runs: acceld's export moved to
-    # QEMU's main loop for the filter's insertion and back to its iothread over the filter
-    # right after, so QEMU's stop (which waits for acceld's rings) does not deadlock.
+    # A slow backup, and the VM stopped and continued while it runs: QEMU's stop waits for
+    # acceld's rings, whose requests QEMU's NBD server answers from acceld's iothread (a
+    # main-loop export would deadlock here).
     during = {}
 
     async def slow_backup(q):
@@ -371,7 +376,6 @@ async def block_jobs(p, r):
                                           "speed": 1 << 20})
         if q is p:
             # The reference VM stays in prelaunch (its guest never runs): stop only here.
-            during["main_loop"] = export_main_loop()
             lis = EventListener(("STOP", "RESUME"))
             q.register_listener(lis)
             during["stop"] = await asyncio.wait_for(run(q, "stop"), 20)
@@ -383,8 +387,6 @@ async def block_jobs(p, r):
         j = await job_run(q, "block-job-set-speed", {"device": "b2", "speed": 0}, "b2")
         return a, j[0]
     await both("drive-backup at 1 MiB/s: replies", p, r, slow_backup)
-    check("during the backup acceld's export runs in its iothread (over the job's filter)",
-          during.get("main_loop") is False, str(during))
     check("stop and cont during the backup: replies, paused, STOP and RESUME",
           (during.get("stop"), during.get("status"), during.get("cont"), during.get("events"))
           == (("return", {}), "paused", ("return", {}), ["STOP", "RESUME"]), str(during))
@@ -503,6 +505,25 @@ async def resize(p, r):
     e = entry((kind, blk), "qdev", QOM) or {}
     check("query-block shows the new size on the direct engine",
           e.get("inserted", {}).get("image", {}).get("virtual-size") == RESIZED, json.dumps(e))
+
+
+async def stream_into_overlay(p, r):
+    """An external snapshot of the data node (the mirror's target by now), then block-stream
+    into the overlay: QEMU puts a copy-on-read filter over it while the job runs (into
+    acceld's iothread, where its export is fixed); afterwards the overlay holds all the data
+    and the drive is served from it."""
+    async def seq(q):
+        top = entry(await run(q, "query-block"), "qdev", QOM)["inserted"]["node-name"]
+        a = await run(q, "blockdev-snapshot-sync", {
+            "node-name": top, "snapshot-file": side(q, "ov3.qcow2"),
+            "snapshot-node-name": "ov3", "format": "qcow2"})
+        j = await job_run(q, "block-stream", {"job-id": "s1", "device": "ov3"}, "s1")
+        return a, j, block_entry(await run(q, "query-block"))
+    await both("blockdev-snapshot-sync + block-stream into the overlay: replies, states, events",
+               p, r, seq)
+    e = engine()
+    check("after the stream the drive is served from the overlay through QEMU's block layer",
+          e is None or e == ("qemu", "ov3"), str(e))
 
 
 async def nbd_server(p, r):
@@ -710,6 +731,7 @@ async def main():
     await resize(p, r)
     if GRAPH:
         await mirror_complete(p, r)
+        await stream_into_overlay(p, r)
     await p.disconnect()
     await r.disconnect()
     c = QMPClient("final")

@@ -205,6 +205,12 @@ impl BlockExportAdd {
         }
         BlockExportAdd(v)
     }
+    /// The export stays in its iothread: QEMU then moves a node that joins the graph around it
+    /// (a filter, an overlay) into that iothread instead of moving the node out of it.
+    pub fn fixed_iothread(mut self) -> Self {
+        self.0["fixed-iothread"] = true.into();
+        self
+    }
     /// An NBD export under an explicit export `name` (default: the node name).
     pub fn nbd_named(mut self, name: &str) -> Self {
         self.0["name"] = name.into();

@@ -481,6 +481,32 @@ fn write_cache_follows_the_driver() {
     assert_eq!(fe.request(0, T_IN, 0, &[], 4096).unwrap().1, data);
 }
 
+/// Every ring start interrupts the driver once: a previous server may have
+/// put completions in the used ring and died before its interrupt (SIGKILL between the two),
+/// and a driver reads the used ring only when interrupted (a guest hung that way).
+#[test]
+fn every_ring_start_interrupts_the_driver_once() {
+    use std::os::fd::AsRawFd;
+    let readable = |fe: &BlkFrontend| {
+        let mut pfd = libc::pollfd {
+            fd: fe.call_fd(0).as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut pfd, 1, 10_000) };
+        let got = pfd.revents & libc::POLLIN != 0;
+        let _ = fe.call_fd(0).read();
+        got
+    };
+    let s = TestServer::start(&ServerOptions::default());
+    let mut fe = connect(&s, 1);
+    assert!(readable(&fe), "no interrupt at the first start");
+    let data = patterned(0, 3, 4096);
+    assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
+    assert_eq!(fe.request(0, T_IN, 0, &[], 4096).unwrap().1, data);
+}
+
 /// A resize reaches the frontend as QEMU's vhost-user-blk expects it: acceld keeps the backend
 /// channel the frontend gives (SET_BACKEND_REQ_FD) and sends
 /// VHOST_USER_BACKEND_CONFIG_CHANGE_MSG on it; GET_CONFIG then shows the new capacity, and

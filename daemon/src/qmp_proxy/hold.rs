@@ -36,15 +36,7 @@ fn pin_of(p: Option<PinKind>) -> Option<Pin> {
 /// Puts the drives on the qemu engine (a temporary pin on the first hold) and keeps them
 /// there until released. Fails, giving back what it took, if one cannot go; the error is
 /// QEMU-shaped (class, text).
-/// `main_loop`: the command changes the block graph, which QEMU 10.0 does badly around an NBD
-/// export in an iothread with requests in flight: acceld's export moves to QEMU's main loop
-/// first.
-pub async fn hold(
-    ctx: &Ctx,
-    drives: &[String],
-    why: &str,
-    main_loop: bool,
-) -> Result<Held, (String, String)> {
+pub async fn hold(ctx: &Ctx, drives: &[String], why: &str) -> Result<Held, (String, String)> {
     let mut taken = Held(Vec::new());
     for drive in drives {
         if taken.0.contains(drive) {
@@ -57,13 +49,6 @@ pub async fn hold(
             return Err(e);
         }
         taken.0.push(drive.clone());
-        if main_loop {
-            if let Err(e) = in_main_loop(ctx, drive, why).await {
-                drop(map);
-                release(ctx, taken).await;
-                return Err(e);
-            }
-        }
     }
     Ok(taken)
 }
@@ -117,22 +102,6 @@ async fn take(
                 ),
             ))
         }
-    }
-}
-
-async fn in_main_loop(ctx: &Ctx, drive: &str, why: &str) -> Result<(), (String, String)> {
-    match ctx.sup.set_export_context(&ctx.vm, drive, true).await {
-        Ok(s) if s.engine == EngineKind::Qemu => Ok(()),
-        r => Err((
-            "GenericError".into(),
-            format!(
-                "acceld: cannot serve drive '{drive}' from QEMU's main loop for {why}: {}",
-                r.map_or_else(
-                    |e| e.chain(),
-                    |s| format!("it is on the {:?} engine", s.engine)
-                )
-            ),
-        )),
     }
 }
 

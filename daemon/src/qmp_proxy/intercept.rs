@@ -286,23 +286,8 @@ async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
     if drives.is_empty() {
         return forward(ctx, name, args).await;
     }
-    // QEMU 10.0.2 asserts inserting a backup's or a stream's filter over a node in an
-    // iothread (bdrv_insert_node), so for those acceld's export moves to QEMU's main loop
-    // first, and back to acceld's iothread right after, over the job's filter (a VM stop
-    // with the export in the main loop would deadlock QEMU). Everything else runs with the
-    // export where it is.
-    let main_loop = inserts_filter(name, args.as_ref());
-    let held = hold(ctx, &drives, name, main_loop).await?;
+    let held = hold(ctx, &drives, name).await?;
     let r = forward(ctx, name, args).await;
-    for d in ctx.drives() {
-        if drives.contains(&d.drive) && d.export_main_loop {
-            if let Err(e) = ctx.sup.set_export_context(&ctx.vm, &d.drive, false).await {
-                if let Some(n) = ctx.shared.log.admit() {
-                    tracing::warn!(vm = %ctx.vm, drive = %d.drive, "cannot move the export back to acceld's iothread: {}{}", e.chain(), crate::util::suppressed(n));
-                }
-            }
-        }
-    }
     release(ctx, held).await;
     r
 }
@@ -316,7 +301,7 @@ async fn resize(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
     let [drive] = drives.as_slice() else {
         return forward(ctx, name, args).await;
     };
-    let held = hold(ctx, &drives, name, false).await?;
+    let held = hold(ctx, &drives, name).await?;
     let r = ctx
         .sup
         .with_export_off(&ctx.vm, drive, || forward(ctx, name, args))
@@ -330,39 +315,9 @@ async fn resize(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
     })
 }
 
-/// Whether QEMU inserts a filter node (`bdrv_insert_node`) over the drive for this command: a
-/// backup's copy-before-write, a stream's copy-on-read; also as `transaction` actions.
-fn inserts_filter(name: &str, args: Option<&Map<String, Value>>) -> bool {
-    const INSERTING: [&str; 3] = ["drive-backup", "blockdev-backup", "block-stream"];
-    if INSERTING.contains(&name) {
-        return true;
-    }
-    name == "transaction"
-        && args
-            .and_then(|a| a.get("actions"))
-            .and_then(Value::as_array)
-            .is_some_and(|acts| {
-                acts.iter().any(|a| {
-                    a.get("type")
-                        .and_then(Value::as_str)
-                        .is_some_and(|t| INSERTING.contains(&t))
-                })
-            })
-}
-
 async fn hold_all(ctx: &Ctx, why: &str) -> Result<super::hold::Held, (String, String)> {
     let all: Vec<String> = ctx.drives().into_iter().map(|d| d.drive).collect();
-    // Not in QEMU's main loop: the VM stops, and QEMU's stop waits for acceld's drain, which
-    // waits for requests only a free main loop would serve.
-    if let Some(d) = ctx.drives().iter().find(|d| d.export_main_loop) {
-        return Err(generic(format!(
-            "acceld: drive '{}' is served from QEMU's main loop while a job, snapshot overlay or \
-             mirror target holds its data; stopping the VM now would hang QEMU 10.0: finish the \
-             job or commit the overlay first",
-            d.drive
-        )));
-    }
-    hold(ctx, &all, why, false).await
+    hold(ctx, &all, why).await
 }
 
 /// `query-block` entries of the VM's drives; QEMU's own description of the data node for a
@@ -550,30 +505,6 @@ mod tests {
         match v {
             Value::Object(m) => Some(m),
             _ => None,
-        }
-    }
-
-    #[test]
-    fn which_commands_insert_a_filter() {
-        let t = |name: &str, v: Value| inserts_filter(name, args(v).as_ref());
-        assert!(t("drive-backup", json!({"device": "d0"})));
-        assert!(t("blockdev-backup", json!({})));
-        assert!(t("block-stream", json!({"device": "ov1"})));
-        let tx = |ty: &str| {
-            json!({"actions": [{"type": "block-dirty-bitmap-add", "data": {}},
-                                               {"type": ty, "data": {}}]})
-        };
-        assert!(t("transaction", tx("blockdev-backup")));
-        assert!(!t("transaction", tx("blockdev-snapshot")));
-        assert!(!t("transaction", json!({"actions": "bad"})));
-        assert!(!t("transaction", json!({})));
-        for name in [
-            "blockdev-snapshot-sync",
-            "block-commit",
-            "blockdev-mirror",
-            "drive-mirror",
-        ] {
-            assert!(!t(name, json!({"device": "d0"})), "{name}");
         }
     }
 

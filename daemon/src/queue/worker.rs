@@ -338,6 +338,12 @@ impl Worker {
         // The frontend may have queued requests (and kicked) before this worker existed.
         self.process_avail();
         self.notify();
+        // A previous server may have put completions in the used ring and died before its
+        // interrupt (a SIGKILL between the used index and the call): the driver reads the
+        // used ring only when interrupted, so without one it would wait forever (seen: a
+        // guest stuck after one of twenty kills). One interrupt at every start; a spurious
+        // one only makes the driver look at the ring.
+        self.call_unconditionally();
         let mut events = vec![EpollEvent::default(); 8];
         loop {
             if (self.paused || self.stopping) && self.in_flight == 0 && !self.acked {
@@ -720,6 +726,20 @@ impl Worker {
     }
 
     /// One call per batch, when the driver wants one (EVENT_IDX).
+    fn call_unconditionally(&self) {
+        if let Some(call) = lock(&self.call).as_ref() {
+            if let Err(e) = call.write(1) {
+                if let Some(n) = self.drive.stats.log.call.admit() {
+                    warn!(
+                        queue = self.index,
+                        "call eventfd: {e}{}",
+                        crate::util::suppressed(n)
+                    );
+                }
+            }
+        }
+    }
+
     fn notify(&mut self) {
         if !self.used_added {
             return;
@@ -727,19 +747,7 @@ impl Worker {
         self.used_added = false;
         let mem = self.memory();
         match self.queue.needs_notification(&*mem) {
-            Ok(true) => {
-                if let Some(call) = lock(&self.call).as_ref() {
-                    if let Err(e) = call.write(1) {
-                        if let Some(n) = self.drive.stats.log.call.admit() {
-                            warn!(
-                                queue = self.index,
-                                "call eventfd: {e}{}",
-                                crate::util::suppressed(n)
-                            );
-                        }
-                    }
-                }
-            }
+            Ok(true) => self.call_unconditionally(),
             Ok(false) => {}
             Err(e) => self.mark_broken(&RingError::Access(e.to_string())),
         }

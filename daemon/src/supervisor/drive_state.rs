@@ -45,11 +45,6 @@ pub struct Intent {
     /// The pin survives an acceld restart.
     pub pin_persistent: bool,
     pub throttle: Option<ThrottleLimits>,
-    /// acceld's export must run in QEMU's main loop, not in acceld's iothread: QEMU 10.0
-    /// cannot insert a backup job's filter over a node in an iothread (it asserts or hangs,
-    /// measured), so the QMP proxy asks for this before a backup. Cleared when the drive
-    /// goes direct.
-    pub main_loop_export: bool,
     /// Management's throttle group for the drive (`block_set_io_throttle group=`, QMP
     /// proxy); acceld's own `accel-tg-ID` when `None`. The drive stays a member with all-zero
     /// limits, as a QEMU device does after a `qom-set` of zero limits on its group.
@@ -70,8 +65,6 @@ pub struct GraphRecord {
     /// pivot, onto its target. The guest's data is there; the drive cannot go direct on its
     /// image, and a re-created export goes on this node. Learnt at every look at QEMU.
     pub data_node: Option<String>,
-    /// acceld's export runs in QEMU's main loop (created without acceld's iothread).
-    pub export_main_loop: bool,
     /// The throttle group object existed before acceld's filter used it (management's
     /// `object-add`): acceld neither deletes it nor lifts its limits.
     pub group_external: bool,

@@ -198,10 +198,6 @@ pub struct ReasonText {
     pub sentence: String,
 }
 
-/// Filter nodes a block job inserts and owns (QEMU's `drv` names): they live as long as the
-/// job, whatever else attaches to them.
-const JOB_FILTERS: [&str; 2] = ["copy-before-write", "copy-on-read"];
-
 pub struct Supervisor {
     pub cfg: Config,
     vms: Mutex<BTreeMap<String, Arc<Vm>>>,
@@ -314,42 +310,6 @@ impl Supervisor {
             i.pin = pin;
             i.pin_persistent = persistent && pin.is_some();
         }
-        self.act_now(&vmr, &d, true).await
-    }
-
-    /// Where the drive's export runs: QEMU's main loop (`main_loop`, until the drive next goes
-    /// direct) or acceld's iothread; re-created there if it runs in the other. QEMU 10.0.2
-    /// asserts inserting a backup's or a stream's filter over a node in an iothread
-    /// (`bdrv_insert_node`), so the QMP proxy asks for the main loop before such a command
-    /// and for the iothread right after it (a VM stop with the export in the main loop
-    /// deadlocks QEMU). Judged from a fresh look at QEMU, nothing moves while the drive's data
-    /// is on another node, except a job's own filter: the command just run may have moved the
-    /// export onto an overlay that lives only as long as the export (a re-creation would drop
-    /// it). The drive must be on the qemu engine (or go there, with a pin).
-    pub async fn set_export_context(
-        self: &Arc<Self>,
-        vm: &str,
-        drive: &str,
-        main_loop: bool,
-    ) -> Result<DriveStatus, SupError> {
-        let vmr = self.vm(vm)?;
-        let d = vmr.drive(drive)?;
-        let qmp = vmr.qmp()?;
-        let snap = observe::snapshot(&qmp).await?;
-        let _ = observe::view(&d, &snap);
-        // A re-created export goes on the data node. A job's own filter (a backup's
-        // copy-before-write, a stream's copy-on-read) lives as long as the job, so the export
-        // may move over it; an implicit overlay would die with the old export.
-        let data = lock(&d.graph).data_node.clone();
-        let movable = data.as_deref().is_none_or(|n| {
-            snap.nodes
-                .iter()
-                .any(|v| v.name == n && JOB_FILTERS.contains(&v.driver.as_str()))
-        });
-        if !movable {
-            return Ok(status::drive_status(&vmr, &d));
-        }
-        lock(&d.intent).main_loop_export = main_loop;
         self.act_now(&vmr, &d, true).await
     }
 

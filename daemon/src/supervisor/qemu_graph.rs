@@ -163,21 +163,23 @@ impl Supervisor {
             None => data,
         };
         self.start_nbd_server(qmp, nbd_socket).await?;
-        let main_loop = lock(&d.intent).main_loop_export;
         qmp_run(
             qmp,
             &BlockExportAdd::nbd(
                 &export_id(id),
                 &top,
                 !d.spec.read_only,
-                (!main_loop).then_some(self.cfg.iothread.as_str()),
+                Some(self.cfg.iothread.as_str()),
             )
+            // Fixed: QEMU 10.0.2 asserts in bdrv_insert_node (a backup's or a stream's filter)
+            // when the node under a movable export follows the new filter into the main
+            // loop; with the export fixed, the filter joins the iothread instead.
+            .fixed_iothread()
             // Named like the export, not like the node: management's own export of the
             // node (named after it by default) must not collide with acceld's.
             .nbd_named(&export_id(id)),
         )
         .await?;
-        lock(&d.graph).export_main_loop = main_loop;
         Ok(export_id(id))
     }
 
@@ -250,7 +252,6 @@ impl Supervisor {
             let mut g = lock(&d.graph);
             g.applied_group = None;
             g.group_external = false;
-            g.export_main_loop = false;
         }
         lock(&d.graph).applied_throttle = None;
         Ok(())

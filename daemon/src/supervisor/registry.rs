@@ -243,7 +243,6 @@ impl Supervisor {
                 pin: sd.pin,
                 pin_persistent: sd.pin.is_some(),
                 throttle: sd.throttle,
-                main_loop_export: false,
                 throttle_group: None,
             },
             GraphRecord {
@@ -252,7 +251,6 @@ impl Supervisor {
                 recorded: sd.recorded,
                 applied_throttle: None,
                 data_node: None,
-                export_main_loop: false,
                 group_external: false,
                 applied_group: None,
             },

@@ -67,16 +67,15 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         .map(|n| n.errors.load(Ordering::Relaxed))
         .unwrap_or(0);
     let nbd_last = st.nbd.as_ref().and_then(|n| lock(&n.last_error).clone());
-    let (device, data_node, export_main_loop) = {
+    let (device, data_node) = {
         let g = lock(&d.graph);
-        (g.device.clone(), g.data_node.clone(), g.export_main_loop)
+        (g.device.clone(), g.data_node.clone())
     };
     DriveStatus {
         vm: vm.name.clone(),
         drive: d.spec.id.clone(),
         device,
         data_node,
-        export_main_loop,
         throttle_group: lock(&d.intent).throttle_group.clone(),
         socket: d.socket.clone(),
         image: d.spec.image.clone(),

@@ -112,10 +112,6 @@ impl Supervisor {
                 }
                 st.last_error = None;
                 drop(st);
-                if matches!(to, Target::Direct(_)) {
-                    // The next export goes in acceld's iothread again.
-                    lock(&d.intent).main_loop_export = false;
-                }
                 info!(vm = %vm.name, drive = %d.spec.id, from = from.as_str(), to = to.kind().as_str(), pause_us = us, "switched");
                 self.save();
                 Ok(())

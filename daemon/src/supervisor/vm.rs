@@ -430,12 +430,8 @@ impl Supervisor {
         let want = lock(&d.intent).throttle.clone();
         let have = lock(&d.graph).applied_throttle.clone();
         let accel_since = lock(&d.placement).accel_since;
-        // The export must be re-created: in the other AioContext, or with its filter in
-        // another throttle group.
-        let want_main_loop = lock(&d.intent).main_loop_export;
-        let main_loop = lock(&d.graph).export_main_loop;
-        let group_moved = have.is_some() && d.group() != d.applied_group();
-        let context_stale = want_main_loop != main_loop || group_moved;
+        // The export must be re-created with its filter in another throttle group.
+        let context_stale = have.is_some() && d.group() != d.applied_group();
         let p = plan::plan(&PlanInput {
             decision: &decision,
             engine: d.engine_kind(),
