@@ -277,7 +277,9 @@ fn acceld_sigkilled_twenty_times_under_guest_io_loses_nothing() {
     for k in 0..kills {
         d.kill().unwrap();
         d = sg.serve();
-        // The guest's I/O resumed on the new acceld before the next kill.
+        // The guest's I/O resumed on the new acceld before the next kill (the guest prints
+        // its progress every 2 s, stuck or not: bound the wait in time).
+        let t0 = std::time::Instant::now();
         loop {
             let p = next_progress(&mut g);
             if p > at_kill {
@@ -285,8 +287,8 @@ fn acceld_sigkilled_twenty_times_under_guest_io_loses_nothing() {
                 break;
             }
             assert!(
-                g.output.len() < 100_000,
-                "after {k} kills the guest's I/O did not resume"
+                t0.elapsed() < Duration::from_secs(120),
+                "after {k} kills the guest's I/O did not resume within 120 s"
             );
         }
     }
