@@ -14,6 +14,7 @@ pub mod compare;
 pub mod migration;
 pub mod migration_bench;
 pub mod supervised;
+pub mod switch_bench;
 
 /// The integration crate's folder.
 pub fn crate_dir() -> PathBuf {

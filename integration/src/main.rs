@@ -38,6 +38,8 @@ enum Cmd {
     Compare(accel_integration::compare::CompareOpts),
     /// Benchmark: live migrations between two acceld vs two qemu-storage-daemon exports.
     MigrationBench(accel_integration::migration_bench::MigBenchOpts),
+    /// Benchmark: engine switch pauses (direct <-> qemu) under a verifying guest.
+    SwitchBench(accel_integration::switch_bench::SwitchBenchOpts),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +49,7 @@ fn main() -> ExitCode {
         Cmd::Capture { out } => accel_integration::capture::capture(&out),
         Cmd::Compare(o) => accel_integration::compare::compare(&o),
         Cmd::MigrationBench(o) => accel_integration::migration_bench::migration_bench(&o),
+        Cmd::SwitchBench(o) => accel_integration::switch_bench::switch_bench(&o),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -196,14 +196,29 @@ async fn switches_and_rollbacks_under_verified_load() {
     assert!(!fake.has_node("accel-throttle-d0"));
     assert!(!fake.objects().contains(&"accel-tg-d0".to_string()));
 
-    // A failed switch whose rollback fails too: the drive is held (requests wait in the
-    // vring, none lost), and the next attempt serves them.
+    // A switch to the qemu engine prepared before the pause fails, and so does its undo: the
+    // drive never paused, so it stays direct and serves on; the next attempt works.
     fake.fail_next("block-export-add", "injected: export refused");
     fake.fail_next("blockdev-del", "injected: node busy");
     let e = sup
         .set_pin("vm", "d0", Some(Pin::Qemu), false)
         .await
         .unwrap_err();
+    failed += 1;
+    println!("failed prepare, failed undo: {}", e.chain());
+    assert_eq!(drive(&sup)["engine"], "direct");
+    sup.set_pin("vm", "d0", None, false).await.unwrap();
+    pause().await;
+    // A switch to direct whose clean-up of QEMU's export fails after the resume goes back to
+    // the qemu engine; when that fails too, the drive is held (requests wait in the vring,
+    // none lost), and the next attempt serves them.
+    sup.set_pin("vm", "d0", Some(Pin::Qemu), false)
+        .await
+        .unwrap();
+    pause().await;
+    fake.fail_next("block-export-del", "injected: export busy");
+    fake.fail_next("block-export-add", "injected: export refused");
+    let e = sup.set_pin("vm", "d0", None, false).await.unwrap_err();
     failed += 1;
     println!("double failure: {}", e.chain());
     let d = drive(&sup);

@@ -127,6 +127,13 @@ pub trait Engine: Send + Sync {
     /// connections. The engine is not used again afterwards.
     fn release(&self) {}
 
+    /// Shares the image's write permission with another writer (QEMU's export that takes
+    /// over at the coming switch, attached but idle), or stops sharing it (fails if another
+    /// writer holds it now). Only the direct engine locks an image.
+    fn share_write(&self, _shared: bool) -> Result<(), EngineError> {
+        Ok(())
+    }
+
     /// Makes every completed write durable (fdatasync), before the image changes hands.
     fn sync_data(&self) -> io::Result<()> {
         Ok(())

@@ -11,7 +11,7 @@ use accel_api::status::EngineKind;
 use policy::ServeSpec;
 use qmp_client::Qmp;
 use tokio::task::block_in_place;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::drive_state::ManagedDrive;
 use super::plan::{Action, ToQemu};
@@ -93,9 +93,52 @@ impl Supervisor {
     ) -> Result<(), SupError> {
         let from = d.engine_kind();
         let drive = d.drive.clone();
-        let paused = block_in_place(|| drive.pause())?;
+        // From direct to the qemu engine, everything but the hand-over happens before the
+        // pause: QEMU's nodes, its export (acceld's lock shares write meanwhile; QEMU writes
+        // nothing until acceld connects) and the NBD handshake. The pause is then the drain,
+        // acceld closing the image, and the resume.
+        // From the qemu engine to direct, acceld opens the image before the pause, sharing
+        // write with QEMU's export (idle once acceld's connections close in the pause); the
+        // export and nodes go after the resume, and then acceld's lock stops sharing write.
+        let prepared = match (&to, from) {
+            (Target::Qemu, EngineKind::Direct) => match self.prepare_qemu(vm, d, qmp).await {
+                Ok(e) => Some(e),
+                Err(e) => {
+                    self.unprepare_qemu(d, qmp).await;
+                    lock(&d.stats).failed_switches += 1;
+                    return Err(e);
+                }
+            },
+            (Target::Direct(spec), EngineKind::Qemu) => {
+                match FileEngine::open_sharing_write(file_config(&d.spec, spec)) {
+                    Ok(e) if e.size() >= d.drive.capacity() => Some(Arc::new(e) as Arc<dyn Engine>),
+                    // The usual path then says why (and restores what it must).
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        let direct_prepared = prepared.is_some() && matches!(to, Target::Direct(_));
+        let paused = match block_in_place(|| drive.pause()) {
+            Ok(p) => p,
+            Err(e) => {
+                if prepared.is_some() {
+                    self.unprepare_qemu(d, qmp).await;
+                }
+                return Err(e.into());
+            }
+        };
+        let drained = paused.elapsed();
         drive.engine().release();
-        let res = match self.bring_up(vm, d, qmp, &to).await {
+        let released = paused.elapsed();
+        let up = match (prepared, &to) {
+            // The drive shows direct once QEMU's export and nodes are gone (finish_direct).
+            (Some(e), Target::Direct(_)) => Ok(e),
+            (Some(e), Target::Qemu) => Ok(e),
+            (None, _) => self.bring_up(vm, d, qmp, &to).await,
+        };
+        debug!(drive = %d.spec.id, to = to.kind().as_str(), drain_us = drained.as_micros() as u64, release_us = (released - drained).as_micros() as u64, bring_up_us = (paused.elapsed() - released).as_micros() as u64, "switch steps");
+        let res = match up {
             Ok(engine) => match block_in_place(|| paused.resume(engine)) {
                 Ok(rep) => Ok(rep),
                 Err((p, e)) => Err((p, SupError::Switch(e))),
@@ -105,13 +148,24 @@ impl Supervisor {
         match res {
             Ok(rep) => {
                 let us = rep.pause.as_micros() as u64;
-                let mut st = lock(&d.stats);
-                match to {
-                    Target::Direct(_) => st.to_direct_us.push(us),
-                    Target::Qemu => st.to_qemu_us.push(us),
+                {
+                    let mut st = lock(&d.stats);
+                    match to {
+                        Target::Direct(_) => st.to_direct_us.push(us),
+                        Target::Qemu => st.to_qemu_us.push(us),
+                    }
+                    st.last_error = None;
                 }
-                st.last_error = None;
-                drop(st);
+                if let (true, Target::Direct(spec)) = (direct_prepared, &to) {
+                    if let Err(e) = self.finish_direct(d, qmp).await {
+                        self.back_to_qemu(vm, d, qmp, &e).await;
+                        return Err(e);
+                    }
+                    lock(&d.graph).applied_throttle = None;
+                    lock(&d.stats).nbd = None;
+                    lock(&d.placement).direct_spec = Some(spec.clone());
+                    d.set_engine(EngineKind::Direct);
+                }
                 info!(vm = %vm.name, drive = %d.spec.id, from = from.as_str(), to = to.kind().as_str(), pause_us = us, "switched");
                 self.save();
                 Ok(())
@@ -149,6 +203,110 @@ impl Supervisor {
         }
     }
 
+    /// The qemu engine's side of a switch from direct, made before the pause (see
+    /// `transition`): the drive keeps running on its direct engine.
+    async fn prepare_qemu(
+        &self,
+        vm: &Arc<Vm>,
+        d: &Arc<ManagedDrive>,
+        qmp: &Qmp,
+    ) -> Result<Arc<dyn Engine>, SupError> {
+        let t0 = std::time::Instant::now();
+        self.qemu_down(d, qmp).await?;
+        self.restore_nodes(d, qmp).await?;
+        let t_nodes = t0.elapsed();
+        d.drive.engine().share_write(true)?;
+        let throttle = lock(&d.intent).throttle.clone();
+        let sock = vm.nbd_socket();
+        let export = self
+            .qemu_up(d, qmp, &sock, throttle.as_ref(), false)
+            .await?;
+        let t_up = t0.elapsed();
+        let engine = block_in_place(|| NbdEngine::connect(&sock, &export))?;
+        if engine.info().size < d.drive.capacity() {
+            return Err(SupError::Invalid(format!(
+                "QEMU's export of {export} holds {} bytes, less than the disk the guest sees",
+                engine.info().size
+            )));
+        }
+        debug!(drive = %d.spec.id, nodes_us = t_nodes.as_micros() as u64, export_us = (t_up - t_nodes).as_micros() as u64, connect_us = (t0.elapsed() - t_up).as_micros() as u64, "qemu engine prepared before the pause");
+        lock(&d.graph).applied_throttle = throttle;
+        lock(&d.stats).nbd = Some(engine.stats());
+        d.set_engine(EngineKind::Qemu);
+        Ok(Arc::new(engine))
+    }
+
+    /// After a switch to direct prepared before the pause: QEMU's export (idle, acceld's
+    /// connections are closed) and nodes go, then acceld's lock stops sharing write.
+    async fn finish_direct(&self, d: &Arc<ManagedDrive>, qmp: &Qmp) -> Result<(), SupError> {
+        self.qemu_down(d, qmp).await?;
+        self.remove_nodes(d, qmp).await?;
+        d.drive.engine().share_write(false)?;
+        Ok(())
+    }
+
+    /// `finish_direct` failed: QEMU kept its export or nodes, so the drive goes back to the
+    /// qemu engine (one more pause) rather than run direct next to them; if even that fails,
+    /// it holds its requests.
+    async fn back_to_qemu(
+        &self,
+        vm: &Arc<Vm>,
+        d: &Arc<ManagedDrive>,
+        qmp: &Arc<Qmp>,
+        why: &SupError,
+    ) {
+        if let Some(n) = d.log.admit() {
+            warn!(vm = %vm.name, drive = %d.spec.id, "switch to direct failed after the resume, rolling back: {}{}", why.chain(), crate::util::suppressed(n));
+        }
+        {
+            let mut st = lock(&d.stats);
+            st.failed_switches += 1;
+            st.last_error = Some(why.chain());
+        }
+        let drive = d.drive.clone();
+        let paused = match block_in_place(|| drive.pause()) {
+            Ok(p) => p,
+            Err(e) => {
+                warn!(vm = %vm.name, drive = %d.spec.id, "cannot pause the drive to roll back: {e}");
+                return;
+            }
+        };
+        drive.engine().release();
+        let back = match self.bring_up(vm, d, qmp, &Target::Qemu).await {
+            Ok(engine) => {
+                block_in_place(|| paused.resume(engine)).map_err(|(p, e)| (p, SupError::Switch(e)))
+            }
+            Err(e) => Err((paused, e)),
+        };
+        if let Err((paused, e)) = back {
+            if let Some(n) = d.log.admit() {
+                warn!(vm = %vm.name, drive = %d.spec.id, "rollback failed, holding the drive's requests: {}{}", e.chain(), crate::util::suppressed(n));
+            }
+            let _ = block_in_place(|| paused.resume(Arc::new(HeldEngine)));
+            d.set_engine(EngineKind::Held);
+        }
+        self.save();
+    }
+
+    /// Undoes `prepare_qemu` while the drive still runs direct: QEMU's export and nodes go,
+    /// and acceld's lock stops sharing write again.
+    async fn unprepare_qemu(&self, d: &Arc<ManagedDrive>, qmp: &Qmp) {
+        // Each step on its own: the lock must come back even if QEMU keeps its nodes (nodes
+        // without a user hold no write permission).
+        if let Err(e) = self.qemu_down(d, qmp).await {
+            warn!(drive = %d.spec.id, "cannot remove the prepared export: {}", e.chain());
+        }
+        if let Err(e) = self.remove_nodes(d, qmp).await {
+            warn!(drive = %d.spec.id, "cannot remove the prepared nodes: {}", e.chain());
+        }
+        if let Err(e) = d.drive.engine().share_write(false) {
+            warn!(drive = %d.spec.id, "acceld's image lock still shares write: {}", crate::error_chain(&e));
+        }
+        lock(&d.graph).applied_throttle = None;
+        lock(&d.stats).nbd = None;
+        d.set_engine(EngineKind::Direct);
+    }
+
     /// Makes `to` serve the drive and returns its engine (the drive is paused and the old
     /// engine released).
     async fn bring_up(
@@ -160,9 +318,14 @@ impl Supervisor {
     ) -> Result<Arc<dyn Engine>, SupError> {
         match to {
             Target::Direct(spec) => {
+                let t0 = std::time::Instant::now();
                 self.qemu_down(d, qmp).await?;
+                let t_down = t0.elapsed();
                 self.remove_nodes(d, qmp).await?;
-                let e = match FileEngine::open(file_config(&d.spec, spec)) {
+                let t_nodes = t0.elapsed();
+                let opened = FileEngine::open(file_config(&d.spec, spec));
+                debug!(drive = %d.spec.id, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, open_us = (t0.elapsed() - t_nodes).as_micros() as u64, "bring-up steps (direct)");
+                let e = match opened {
                     Ok(e) if e.size() >= d.drive.capacity() => e,
                     Ok(e) => {
                         e.release();
@@ -184,8 +347,11 @@ impl Supervisor {
                 Ok(Arc::new(e))
             }
             Target::Qemu => {
+                let t0 = std::time::Instant::now();
                 self.qemu_down(d, qmp).await?;
+                let t_down = t0.elapsed();
                 self.restore_nodes(d, qmp).await?;
+                let t_nodes = t0.elapsed();
                 let throttle = lock(&d.intent).throttle.clone();
                 let sock = vm.nbd_socket();
                 let after_incoming =
@@ -193,7 +359,9 @@ impl Supervisor {
                 let export = self
                     .qemu_up(d, qmp, &sock, throttle.as_ref(), after_incoming)
                     .await?;
+                let t_up = t0.elapsed();
                 let engine = block_in_place(|| NbdEngine::connect(&sock, &export))?;
+                debug!(drive = %d.spec.id, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, export_us = (t_up - t_nodes).as_micros() as u64, connect_us = (t0.elapsed() - t_up).as_micros() as u64, "bring-up steps (qemu)");
                 if engine.info().size < d.drive.capacity() {
                     return Err(SupError::Invalid(format!(
                         "QEMU's export of {export} holds {} bytes, less than the disk the guest sees",

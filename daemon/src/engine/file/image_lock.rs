@@ -51,12 +51,22 @@ fn lock_held_elsewhere(fd: RawFd, byte: i64) -> io::Result<bool> {
 /// QEMU, when another process holds a conflicting lock; afterwards QEMU (and qemu-img without
 /// -U) fails to open the image for writing while acceld serves it.
 pub fn qemu_lock(f: &File, path: &Path, read_only: bool) -> Result<(), EngineError> {
+    lock_perms(f, path, read_only, &[PERM_WRITE, PERM_RESIZE])
+}
+
+/// [`qemu_lock`], but sharing write for now: the image's current writer (QEMU's export,
+/// idle once acceld closed its connections) keeps its lock until the switch has happened;
+/// [`set_write_shared`] `false` then takes the rest.
+pub fn qemu_lock_sharing_write(f: &File, path: &Path, read_only: bool) -> Result<(), EngineError> {
+    lock_perms(f, path, read_only, &[PERM_RESIZE])
+}
+
+fn lock_perms(f: &File, path: &Path, read_only: bool, unshared: &[i64]) -> Result<(), EngineError> {
     let fd = f.as_raw_fd();
     let mut perms = vec![PERM_CONSISTENT_READ];
     if !read_only {
         perms.push(PERM_WRITE);
     }
-    let unshared = [PERM_WRITE, PERM_RESIZE];
     let err = |source| EngineError::Lock {
         path: path.to_path_buf(),
         source,
@@ -69,7 +79,7 @@ pub fn qemu_lock(f: &File, path: &Path, read_only: bool) -> Result<(), EngineErr
             });
         }
     }
-    for &p in &unshared {
+    for &p in unshared {
         if lock_held_elsewhere(fd, LOCK_PERM_BASE + p).map_err(err)? {
             return Err(EngineError::Locked {
                 path: path.to_path_buf(),
@@ -84,6 +94,31 @@ pub fn qemu_lock(f: &File, path: &Path, read_only: bool) -> Result<(), EngineErr
     for b in bytes {
         ofd_lock(fd, libc::F_OFD_SETLK, libc::F_RDLCK as libc::c_int, b).map_err(err)?;
     }
+    Ok(())
+}
+
+/// Shares or stops sharing the write permission on an image acceld has locked with
+/// [`qemu_lock`] (writable): shared, QEMU can attach a writer of its own (the export that
+/// takes over at the next switch, idle until acceld connects); unshared again, it fails like
+/// QEMU if another process writes now.
+pub fn set_write_shared(f: &File, path: &Path, shared: bool) -> Result<(), EngineError> {
+    let fd = f.as_raw_fd();
+    let byte = LOCK_SHARED_BASE + PERM_WRITE;
+    let err = |source| EngineError::Lock {
+        path: path.to_path_buf(),
+        source,
+    };
+    if shared {
+        ofd_lock(fd, libc::F_OFD_SETLK, libc::F_UNLCK as libc::c_int, byte).map_err(err)?;
+        return Ok(());
+    }
+    if lock_held_elsewhere(fd, LOCK_PERM_BASE + PERM_WRITE).map_err(err)? {
+        return Err(EngineError::Locked {
+            path: path.to_path_buf(),
+            what: PERM_NAMES[PERM_WRITE as usize],
+        });
+    }
+    ofd_lock(fd, libc::F_OFD_SETLK, libc::F_RDLCK as libc::c_int, byte).map_err(err)?;
     Ok(())
 }
 

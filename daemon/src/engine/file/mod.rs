@@ -14,7 +14,7 @@ mod image_lock;
 mod inline;
 mod uring;
 
-pub use image_lock::{qemu_lock, qemu_unlock};
+pub use image_lock::{qemu_lock, qemu_lock_sharing_write, qemu_unlock, set_write_shared};
 use inline::InlineQueue;
 use uring::RingQueue;
 
@@ -85,6 +85,17 @@ pub struct FileEngine {
 
 impl FileEngine {
     pub fn open(cfg: FileEngineConfig) -> Result<Self, EngineError> {
+        Self::open_locking(cfg, false)
+    }
+
+    /// [`FileEngine::open`], sharing write with the image's current writer until
+    /// [`Engine::share_write`] `false` (a switch from the qemu engine prepared before the
+    /// pause: QEMU's export still holds write, idle).
+    pub fn open_sharing_write(cfg: FileEngineConfig) -> Result<Self, EngineError> {
+        Self::open_locking(cfg, true)
+    }
+
+    fn open_locking(cfg: FileEngineConfig, sharing_write: bool) -> Result<Self, EngineError> {
         let open_err = |source| EngineError::Open {
             path: cfg.path.clone(),
             source,
@@ -108,7 +119,9 @@ impl FileEngine {
                 path: cfg.path.clone(),
             });
         };
-        if cfg.lock {
+        if cfg.lock && sharing_write {
+            qemu_lock_sharing_write(&file, &cfg.path, cfg.read_only)?;
+        } else if cfg.lock {
             qemu_lock(&file, &cfg.path, cfg.read_only)?;
         }
         let mut mem_align = 1;
@@ -241,6 +254,13 @@ impl Engine for FileEngine {
         if self.cfg.lock {
             qemu_unlock(&self.file);
         }
+    }
+
+    fn share_write(&self, shared: bool) -> Result<(), EngineError> {
+        if !self.cfg.lock || self.cfg.read_only {
+            return Ok(());
+        }
+        set_write_shared(&self.file, &self.cfg.path, shared)
     }
 
     fn sync_data(&self) -> io::Result<()> {
