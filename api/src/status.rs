@@ -111,6 +111,9 @@ pub struct DriveStatus {
     pub reasons: Vec<String>,
     pub reason_sentences: Vec<String>,
     pub pin: Option<PinKind>,
+    /// The pin survives an acceld restart (`--pin`).
+    #[serde(default)]
+    pub pin_persistent: bool,
     pub throttle: Option<ThrottleLimits>,
     pub switches: u64,
     pub failed_switches: u64,
@@ -285,6 +288,7 @@ mod tests {
             reasons: vec!["throttle".into()],
             reason_sentences: vec!["x".into()],
             pin: Some(PinKind::Direct),
+            pin_persistent: false,
             throttle: Some(ThrottleLimits {
                 iops_total: Some(5),
                 ..Default::default()

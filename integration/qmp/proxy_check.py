@@ -526,6 +526,32 @@ async def stream_into_overlay(p, r):
           e is None or e == ("qemu", "ov3"), str(e))
 
 
+def drive_status():
+    st = json.loads(subprocess.run(ACCELCTL + ["status", "--json"], check=True,
+                                   capture_output=True, text=True).stdout)
+    return next((vm["vm"], d) for vm in st["vms"] for d in vm["drives"] if d["drive"] == DRIVE)
+
+
+async def persistent_pin(p):
+    """An operator's persistent pin to direct (`accelctl accelerate --pin`) survives a hold:
+    a dirty bitmap added and removed through the proxy moves the drive to QEMU's block layer
+    and back, and the pin is still there, still persistent."""
+    if not ACCELCTL:
+        return
+    vm, _ = drive_status()
+    subprocess.run(ACCELCTL + ["accelerate", vm, DRIVE, "--pin"], check=True,
+                   capture_output=True)
+    a = await run(p, "block-dirty-bitmap-add", {"node": DRIVE, "name": "bm1"})
+    b = await run(p, "block-dirty-bitmap-remove", {"node": DRIVE, "name": "bm1"})
+    _, d = drive_status()
+    check("a persistent pin to direct is still persistent after a hold",
+          (a[0], b[0], d["pin"], d["pin_persistent"]) == ("return", "return", "direct", True),
+          f"{a} {b} pin={d['pin']} persistent={d['pin_persistent']}")
+    subprocess.run(ACCELCTL + ["accelerate", vm, DRIVE], check=True, capture_output=True)
+    e = await wait_engine("direct")
+    check("after the pinned hold the drive is direct", e is None or e[0] == "direct", str(e))
+
+
 async def nbd_server(p, r):
     """Management's own NBD server and export next to acceld's, on a throttled drive."""
     await same("block_set_io_throttle before the NBD server", p, r, "block_set_io_throttle",
@@ -729,6 +755,7 @@ async def main():
     await p.connect(PROXY)
     await r.connect(REF)
     await resize(p, r)
+    await persistent_pin(p)
     if GRAPH:
         await mirror_complete(p, r)
         await stream_into_overlay(p, r)

@@ -11,10 +11,10 @@ use tracing::warn;
 use super::intercept::Ctx;
 
 /// A held drive: how many commands hold it, and the pin it had before the first (when the
-/// hold changed it).
+/// hold changed it), with whether that pin was persistent.
 struct Entry {
     holders: usize,
-    restore: Option<Option<Pin>>,
+    restore: Option<(Option<Pin>, bool)>,
 }
 
 #[derive(Default)]
@@ -66,6 +66,7 @@ async fn take(
     }
     let status = ctx.drives().into_iter().find(|d| d.drive == drive);
     let prev = status.as_ref().and_then(|d| pin_of(d.pin));
+    let prev_persistent = status.as_ref().is_some_and(|d| d.pin_persistent);
     let r = if prev == Some(Pin::Qemu) {
         Ok(None)
     } else {
@@ -75,7 +76,7 @@ async fn take(
             .map_err(|e| e.chain())
             .and_then(|s| {
                 if s.engine == EngineKind::Qemu {
-                    Ok(Some(prev))
+                    Ok(Some((prev, prev_persistent)))
                 } else {
                     Err(format!("it stayed on the {:?} engine", s.engine))
                 }
@@ -94,7 +95,7 @@ async fn take(
         }
         Err(why_not) => {
             // Undo the pin set by the failed attempt (the caller gives back the rest).
-            let _ = ctx.sup.set_pin(&ctx.vm, drive, prev, false).await;
+            let _ = ctx.sup.set_pin(&ctx.vm, drive, prev, prev_persistent).await;
             Err((
                 "GenericError".into(),
                 format!(
@@ -119,8 +120,8 @@ pub async fn release(ctx: &Ctx, held: Held) {
         }
         let changed = e.restore;
         map.remove(&drive);
-        if let Some(prev) = changed {
-            if let Err(e) = ctx.sup.set_pin(&ctx.vm, &drive, prev, false).await {
+        if let Some((prev, persistent)) = changed {
+            if let Err(e) = ctx.sup.set_pin(&ctx.vm, &drive, prev, persistent).await {
                 if let Some(n) = ctx.shared.log.admit() {
                     warn!(vm = %ctx.vm, drive, "QMP proxy: cannot release the drive: {}{}", e.chain(), crate::util::suppressed(n));
                 }

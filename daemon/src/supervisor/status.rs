@@ -48,13 +48,13 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
             o.reasons.iter().map(|r| r.sentence()).collect(),
         )
     };
-    let (pin, throttle) = {
+    let (pin, pin_persistent, throttle) = {
         let i = lock(&d.intent);
         let pin = i.pin.map(|p| match p {
             Pin::Qemu => PinKind::Qemu,
             Pin::Direct => PinKind::Direct,
         });
-        (pin, i.throttle.clone())
+        (pin, i.pin_persistent, i.throttle.clone())
     };
     // A ring broken now is the most urgent thing to show.
     let ring_last = (s.broken_queues.load(Ordering::Relaxed) > 0)
@@ -85,6 +85,7 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         reasons,
         reason_sentences,
         pin,
+        pin_persistent,
         throttle,
         switches: s.switches.load(Ordering::Relaxed),
         failed_switches: st.failed_switches,
