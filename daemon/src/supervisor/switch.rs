@@ -101,7 +101,7 @@ impl Supervisor {
         // write with QEMU's export (idle once acceld's connections close in the pause); the
         // export and nodes go after the resume, and then acceld's lock stops sharing write.
         let prepared = match (&to, from) {
-            (Target::Qemu, EngineKind::Direct) => match self.prepare_qemu(vm, d, qmp).await {
+            (Target::Qemu, EngineKind::Direct) => match self.qemu_engine(vm, d, qmp, true).await {
                 Ok(e) => Some(e),
                 Err(e) => {
                     self.unprepare_qemu(d, qmp).await;
@@ -131,11 +131,11 @@ impl Supervisor {
         let drained = paused.elapsed();
         drive.engine().release();
         let released = paused.elapsed();
-        let up = match (prepared, &to) {
-            // The drive shows direct once QEMU's export and nodes are gone (finish_direct).
-            (Some(e), Target::Direct(_)) => Ok(e),
-            (Some(e), Target::Qemu) => Ok(e),
-            (None, _) => self.bring_up(vm, d, qmp, &to).await,
+        // A prepared direct engine shows in status once QEMU's export and nodes are gone
+        // (finish_direct).
+        let up = match prepared {
+            Some(e) => Ok(e),
+            None => self.bring_up(vm, d, qmp, &to).await,
         };
         debug!(drive = %d.spec.id, to = to.kind().as_str(), drain_us = drained.as_micros() as u64, release_us = (released - drained).as_micros() as u64, bring_up_us = (paused.elapsed() - released).as_micros() as u64, "switch steps");
         let res = match up {
@@ -203,33 +203,39 @@ impl Supervisor {
         }
     }
 
-    /// The qemu engine's side of a switch from direct, made before the pause (see
-    /// `transition`): the drive keeps running on its direct engine.
-    async fn prepare_qemu(
+    /// QEMU's nodes and acceld's export of the drive, and the qemu engine on it: the
+    /// bring-up to the qemu engine, inside the pause or (`share_write_first`, from a running
+    /// direct engine) before it.
+    async fn qemu_engine(
         &self,
         vm: &Arc<Vm>,
         d: &Arc<ManagedDrive>,
         qmp: &Qmp,
+        share_write_first: bool,
     ) -> Result<Arc<dyn Engine>, SupError> {
         let t0 = std::time::Instant::now();
         self.qemu_down(d, qmp).await?;
+        let t_down = t0.elapsed();
         self.restore_nodes(d, qmp).await?;
         let t_nodes = t0.elapsed();
-        d.drive.engine().share_write(true)?;
+        if share_write_first {
+            d.drive.engine().share_write(true)?;
+        }
         let throttle = lock(&d.intent).throttle.clone();
         let sock = vm.nbd_socket();
+        let after_incoming = vm.incoming && lock(&vm.migration).as_deref() == Some("completed");
         let export = self
-            .qemu_up(d, qmp, &sock, throttle.as_ref(), false)
+            .qemu_up(d, qmp, &sock, throttle.as_ref(), after_incoming)
             .await?;
         let t_up = t0.elapsed();
         let engine = block_in_place(|| NbdEngine::connect(&sock, &export))?;
+        debug!(drive = %d.spec.id, before_pause = share_write_first, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, export_us = (t_up - t_nodes).as_micros() as u64, connect_us = (t0.elapsed() - t_up).as_micros() as u64, "bring-up steps (qemu)");
         if engine.info().size < d.drive.capacity() {
             return Err(SupError::Invalid(format!(
                 "QEMU's export of {export} holds {} bytes, less than the disk the guest sees",
                 engine.info().size
             )));
         }
-        debug!(drive = %d.spec.id, nodes_us = t_nodes.as_micros() as u64, export_us = (t_up - t_nodes).as_micros() as u64, connect_us = (t0.elapsed() - t_up).as_micros() as u64, "qemu engine prepared before the pause");
         lock(&d.graph).applied_throttle = throttle;
         lock(&d.stats).nbd = Some(engine.stats());
         d.set_engine(EngineKind::Qemu);
@@ -272,23 +278,12 @@ impl Supervisor {
             }
         };
         drive.engine().release();
-        let back = match self.bring_up(vm, d, qmp, &Target::Qemu).await {
-            Ok(engine) => {
-                block_in_place(|| paused.resume(engine)).map_err(|(p, e)| (p, SupError::Switch(e)))
-            }
-            Err(e) => Err((paused, e)),
-        };
-        if let Err((paused, e)) = back {
-            if let Some(n) = d.log.admit() {
-                warn!(vm = %vm.name, drive = %d.spec.id, "rollback failed, holding the drive's requests: {}{}", e.chain(), crate::util::suppressed(n));
-            }
-            let _ = block_in_place(|| paused.resume(Arc::new(HeldEngine)));
-            d.set_engine(EngineKind::Held);
-        }
+        self.resume_on_qemu(vm, d, qmp, paused, "the failed switch to direct")
+            .await;
         self.save();
     }
 
-    /// Undoes `prepare_qemu` while the drive still runs direct: QEMU's export and nodes go,
+    /// Undoes a `qemu_engine` made before the pause while the drive still runs direct: QEMU's export and nodes go,
     /// and acceld's lock stops sharing write again.
     async fn unprepare_qemu(&self, d: &Arc<ManagedDrive>, qmp: &Qmp) {
         // Each step on its own: the lock must come back even if QEMU keeps its nodes (nodes
@@ -346,33 +341,7 @@ impl Supervisor {
                 d.set_engine(EngineKind::Direct);
                 Ok(Arc::new(e))
             }
-            Target::Qemu => {
-                let t0 = std::time::Instant::now();
-                self.qemu_down(d, qmp).await?;
-                let t_down = t0.elapsed();
-                self.restore_nodes(d, qmp).await?;
-                let t_nodes = t0.elapsed();
-                let throttle = lock(&d.intent).throttle.clone();
-                let sock = vm.nbd_socket();
-                let after_incoming =
-                    vm.incoming && lock(&vm.migration).as_deref() == Some("completed");
-                let export = self
-                    .qemu_up(d, qmp, &sock, throttle.as_ref(), after_incoming)
-                    .await?;
-                let t_up = t0.elapsed();
-                let engine = block_in_place(|| NbdEngine::connect(&sock, &export))?;
-                debug!(drive = %d.spec.id, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, export_us = (t_up - t_nodes).as_micros() as u64, connect_us = (t0.elapsed() - t_up).as_micros() as u64, "bring-up steps (qemu)");
-                if engine.info().size < d.drive.capacity() {
-                    return Err(SupError::Invalid(format!(
-                        "QEMU's export of {export} holds {} bytes, less than the disk the guest sees",
-                        engine.info().size
-                    )));
-                }
-                lock(&d.graph).applied_throttle = throttle;
-                lock(&d.stats).nbd = Some(engine.stats());
-                d.set_engine(EngineKind::Qemu);
-                Ok(Arc::new(engine))
-            }
+            Target::Qemu => self.qemu_engine(vm, d, qmp, false).await,
         }
     }
 }
@@ -412,7 +381,7 @@ impl Supervisor {
         let paused = block_in_place(|| dr.pause())?;
         dr.engine().release();
         if let Err(e) = self.qemu_down(&d, &qmp).await {
-            self.serve_again(&vmr, &d, &qmp, paused).await;
+            self.resume_after_resize(&vmr, &d, &qmp, paused).await;
             return Err(e);
         }
         let out = resize().await;
@@ -426,13 +395,25 @@ impl Supervisor {
                 None
             }
         };
-        self.serve_again(&vmr, &d, &qmp, paused).await;
+        self.resume_after_resize(&vmr, &d, &qmp, paused).await;
         if let Some(now) = now {
             info!(vm = %vmr.name, drive, was, now, "drive resized");
             self.tell_new_size(&vmr, &d, &qmp).await;
         }
         self.save();
         Ok(out)
+    }
+
+    async fn resume_after_resize(
+        &self,
+        vm: &Arc<Vm>,
+        d: &Arc<ManagedDrive>,
+        qmp: &Qmp,
+        paused: crate::drive::Paused,
+    ) {
+        if let Some(e) = self.resume_on_qemu(vm, d, qmp, paused, "a resize").await {
+            lock(&d.stats).last_error = Some(e.chain());
+        }
     }
 
     /// Tells QEMU's vhost-user-blk that the config space changed. The backend channel's
@@ -458,29 +439,27 @@ impl Supervisor {
         }
     }
 
-    /// Ends a pause of `with_export_off` on a fresh qemu engine (the drive holds if that
-    /// fails, and the next look at QEMU retries).
-    async fn serve_again(
+    /// Ends a pause on a fresh qemu engine (after a rollback, a resize); if that fails the
+    /// drive holds its requests (the next look at QEMU retries), and the error comes back.
+    async fn resume_on_qemu(
         &self,
         vm: &Arc<Vm>,
         d: &Arc<ManagedDrive>,
-        qmp: &Arc<Qmp>,
+        qmp: &Qmp,
         paused: crate::drive::Paused,
-    ) {
-        let up = self.bring_up(vm, d, qmp, &Target::Qemu).await;
-        let res = match up {
+        after: &str,
+    ) -> Option<SupError> {
+        let res = match self.qemu_engine(vm, d, qmp, false).await {
             Ok(engine) => block_in_place(|| paused.resume(engine)).map_err(|(p, e)| (p, e.into())),
             Err(e) => Err((paused, e)),
         };
-        if let Err((paused, e)) = res {
-            let e: SupError = e;
-            if let Some(n) = d.log.admit() {
-                warn!(vm = %vm.name, drive = %d.spec.id, "cannot serve the drive again after a resize, holding its requests: {}{}", e.chain(), crate::util::suppressed(n));
-            }
-            lock(&d.stats).last_error = Some(e.chain());
-            let _ = block_in_place(|| paused.resume(Arc::new(HeldEngine)));
-            d.set_engine(EngineKind::Held);
+        let (paused, e): (_, SupError) = res.err()?;
+        if let Some(n) = d.log.admit() {
+            warn!(vm = %vm.name, drive = %d.spec.id, "cannot serve the drive on the qemu engine after {after}, holding its requests: {}{}", e.chain(), crate::util::suppressed(n));
         }
+        let _ = block_in_place(|| paused.resume(Arc::new(HeldEngine)));
+        d.set_engine(EngineKind::Held);
+        Some(e)
     }
 }
 
