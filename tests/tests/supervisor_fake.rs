@@ -174,6 +174,21 @@ async fn switches_and_rollbacks_under_verified_load() {
         pause().await;
     }
 
+    // A switch to direct whose pause fails (another pause holds the drive): the image acceld
+    // opened before the pause closes, and the qemu engine keeps serving on its export.
+    let dh = sup.drive_handle("vm", "d0").unwrap();
+    let other = tokio::task::block_in_place(|| dh.pause()).unwrap();
+    let e = sup.set_pin("vm", "d0", None, false).await.unwrap_err();
+    println!("pause refused: {}", e.chain());
+    assert_eq!(drive(&sup)["engine"], "qemu");
+    assert_eq!(
+        fake.exports(),
+        vec!["accel-d0"],
+        "the qemu engine's export stays"
+    );
+    drop(other);
+    pause().await;
+
     // Throttle: a filter and a group on top, the export on the filter; clear: direct after
     // the quiet period, filter and group gone.
     sup.set_pin("vm", "d0", None, false).await.unwrap();

@@ -227,6 +227,15 @@ impl Supervisor {
             .ok_or_else(|| SupError::NotFound(format!("no VM named {name} is registered")))
     }
 
+    /// The drive itself (its engine, its pause), for in-process tests and tools.
+    pub fn drive_handle(
+        &self,
+        vm: &str,
+        drive: &str,
+    ) -> Result<Arc<crate::drive::Drive>, SupError> {
+        Ok(self.vm(vm)?.drive(drive)?.drive.clone())
+    }
+
     fn all_vms(&self) -> Vec<Arc<Vm>> {
         lock(&self.vms).values().cloned().collect()
     }

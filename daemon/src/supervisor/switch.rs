@@ -122,7 +122,9 @@ impl Supervisor {
         let paused = match block_in_place(|| drive.pause()) {
             Ok(p) => p,
             Err(e) => {
-                if prepared.is_some() {
+                // A prepared direct engine just closes (dropped here); the qemu engine still
+                // serves. A prepared qemu engine's export and nodes go.
+                if prepared.is_some() && !direct_prepared {
                     self.unprepare_qemu(d, qmp).await;
                 }
                 return Err(e.into());
