@@ -90,13 +90,12 @@ fn bench_acceld(dir: &Path, o: &MigBenchOpts) -> Result<Row> {
     ];
     let reg = |acc: &AcceldRun, n: u32, incoming: bool| -> Result<()> {
         let q = dir.join(format!("a-qmp{n}.sock"));
-        let mut a = vec!["register", "--vm", "vm1", "--qmp", q.to_str().unwrap_or("")];
-        a.extend(["--drive", &drive, "--cont"]);
-        if incoming {
-            a.push("--incoming");
-        }
-        acc.ctl_ok(&a)?;
-        Ok(())
+        let flags: &[&str] = if incoming {
+            &["--cont", "--incoming"]
+        } else {
+            &["--cont"]
+        };
+        acc.register("vm1", &q, &drive, flags)
     };
     let script = writer_script("/dev/vda", o.writers, 64);
     reg(&accs[0], 0, false)?;

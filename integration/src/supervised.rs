@@ -150,6 +150,16 @@ impl AcceldRun {
         Ok(out)
     }
 
+    /// `accelctl register --vm VM --qmp QMP --drive DRIVE` plus `flags` (`--cont`,
+    /// `--incoming`).
+    pub fn register(&self, vm: &str, qmp: &Path, drive: &str, flags: &[&str]) -> Result<()> {
+        let qmp = qmp.to_string_lossy();
+        let mut args = vec!["register", "--vm", vm, "--qmp", &qmp, "--drive", drive];
+        args.extend_from_slice(flags);
+        self.ctl_ok(&args)?;
+        Ok(())
+    }
+
     pub fn status(&self) -> Result<Value> {
         Ok(serde_json::from_str(&self.ctl_ok(&["status", "--json"])?)?)
     }

@@ -39,16 +39,12 @@ pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
         "quiet-period-ms = 600000\npoll-interval-ms = 200\n",
     )?;
     let qmp = dir.join("qmp.sock");
-    acc.ctl_ok(&[
-        "register",
-        "--vm",
+    acc.register(
         "vm1",
-        "--qmp",
-        qmp.to_str().unwrap_or_default(),
-        "--drive",
+        &qmp,
         &format!("id=d0,image={},queues=2", img.display()),
-        "--cont",
-    ])?;
+        &["--cont"],
+    )?;
     let mut vm = Instance::boot_registered(
         &acc,
         "vm1",

@@ -72,21 +72,12 @@ fn status_of(i: &Instance) -> Result<String> {
 }
 
 fn register(acc: &AcceldRun, qmp: &Path, drive: &str, incoming: bool) -> Result<()> {
-    let mut args = vec![
-        "register",
-        "--vm",
-        "vm1",
-        "--qmp",
-        qmp.to_str().unwrap(),
-        "--drive",
-        drive,
-        "--cont",
-    ];
-    if incoming {
-        args.push("--incoming");
-    }
-    acc.ctl_ok(&args)?;
-    Ok(())
+    let flags: &[&str] = if incoming {
+        &["--cont", "--incoming"]
+    } else {
+        &["--cont"]
+    };
+    acc.register("vm1", qmp, drive, flags)
 }
 
 /// Three round trips (six migrations) of a guest writing and verifying through each; 0 guest

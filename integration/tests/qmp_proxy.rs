@@ -77,16 +77,12 @@ fn proxy_answers_as_qemu_does_for_a_virtio_blk_drive() -> Result<()> {
         "quiet-period-ms = 300\npoll-interval-ms = 200\n",
     )?;
     let qmp = dir.path().join("qmp.sock");
-    acc.ctl_ok(&[
-        "register",
-        "--vm",
+    acc.register(
         "vm1",
-        "--qmp",
-        qmp.to_str().unwrap(),
-        "--drive",
+        &qmp,
         &format!("id=d0,image={},queues=2", img.display()),
-        "--cont",
-    ])?;
+        &["--cont"],
+    )?;
     let proxy = acc.run_dir.join("vm1").join("monitor.sock");
     let mut vm = Instance::boot_registered(
         &acc,
@@ -151,15 +147,7 @@ fn resize_before_the_guest_runs_is_seen_at_boot() -> Result<()> {
     std::fs::File::create(&img)?.set_len(32 << 20)?;
     let acc = AcceldRun::start(&dir.path().join("run"), "poll-interval-ms = 200\n")?;
     let qmp = dir.path().join("qmp.sock");
-    acc.ctl_ok(&[
-        "register",
-        "--vm",
-        "vm1",
-        "--qmp",
-        qmp.to_str().unwrap(),
-        "--drive",
-        &format!("id=d0,image={}", img.display()),
-    ])?;
+    acc.register("vm1", &qmp, &format!("id=d0,image={}", img.display()), &[])?;
     let proxy = acc.run_dir.join("vm1").join("monitor.sock");
     // The guest writes 40 MiB: past the old end, inside the new one.
     let mut vm = Instance::boot_registered(

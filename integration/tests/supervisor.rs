@@ -23,17 +23,7 @@ fn boot(acc: &AcceldRun, vm: &str, test_qmp: &Path, script: &str) -> Result<Gues
 }
 
 fn register(acc: &AcceldRun, vm: &str, qmp: &Path, drive: &str) -> Result<()> {
-    acc.ctl_ok(&[
-        "register",
-        "--vm",
-        vm,
-        "--qmp",
-        qmp.to_str().unwrap(),
-        "--drive",
-        drive,
-        "--cont",
-    ])?;
-    Ok(())
+    acc.register(vm, qmp, drive, &["--cont"])
 }
 
 /// `acceld run` with VM vm1 registered (raw drive d0 of 64 MiB, 2 queues) and booted with 32
