@@ -167,7 +167,9 @@ impl Paused {
             // The drive runs already; the switch is over for whoever comes next (a graph
             // change on QEMU, say) once the new engine's queues are set up.
             if !engine.wait_ready(READY_TIMEOUT) {
-                warn!(drive = %d.cfg.name, to = engine.io_path(), "the new engine's queues were not ready within {READY_TIMEOUT:?}");
+                if let Some(n) = d.stats.log.io.admit() {
+                    warn!(drive = %d.cfg.name, to = engine.io_path(), "the new engine's queues were not ready within {READY_TIMEOUT:?}{}", crate::util::suppressed(n));
+                }
             }
         }
         Ok(SwitchReport {

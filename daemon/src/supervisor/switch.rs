@@ -275,7 +275,9 @@ impl Supervisor {
         let paused = match block_in_place(|| drive.pause()) {
             Ok(p) => p,
             Err(e) => {
-                warn!(vm = %vm.name, drive = %d.spec.id, "cannot pause the drive to roll back: {e}");
+                if let Some(n) = d.log.admit() {
+                    warn!(vm = %vm.name, drive = %d.spec.id, "cannot pause the drive to roll back: {e}{}", crate::util::suppressed(n));
+                }
                 return;
             }
         };
@@ -290,14 +292,23 @@ impl Supervisor {
     async fn unprepare_qemu(&self, d: &Arc<ManagedDrive>, qmp: &Qmp) {
         // Each step on its own: the lock must come back even if QEMU keeps its nodes (nodes
         // without a user hold no write permission).
+        let mut failed = Vec::new();
         if let Err(e) = self.qemu_down(d, qmp).await {
-            warn!(drive = %d.spec.id, "cannot remove the prepared export: {}", e.chain());
+            failed.push(format!("the prepared export stays: {}", e.chain()));
         }
         if let Err(e) = self.remove_nodes(d, qmp).await {
-            warn!(drive = %d.spec.id, "cannot remove the prepared nodes: {}", e.chain());
+            failed.push(format!("the prepared nodes stay: {}", e.chain()));
         }
         if let Err(e) = d.drive.engine().share_write(false) {
-            warn!(drive = %d.spec.id, "acceld's image lock still shares write: {}", crate::error_chain(&e));
+            failed.push(format!(
+                "acceld's image lock still shares write: {}",
+                crate::error_chain(&e)
+            ));
+        }
+        if !failed.is_empty() {
+            if let Some(n) = d.log.admit() {
+                warn!(drive = %d.spec.id, "cannot undo the prepared qemu engine: {}{}", failed.join("; "), crate::util::suppressed(n));
+            }
         }
         lock(&d.graph).applied_throttle = None;
         lock(&d.stats).nbd = None;
@@ -393,13 +404,17 @@ impl Supervisor {
             Ok(s) if s != was => Some(d.drive.set_capacity(s)),
             Ok(_) => None,
             Err(e) => {
-                warn!(vm = %vmr.name, drive, "cannot read the node's size after a resize: {}", e.chain());
+                if let Some(n) = d.log.admit() {
+                    warn!(vm = %vmr.name, drive, "cannot read the node's size after a resize: {}{}", e.chain(), crate::util::suppressed(n));
+                }
                 None
             }
         };
         self.resume_after_resize(&vmr, &d, &qmp, paused).await;
         if let Some(now) = now {
-            info!(vm = %vmr.name, drive, was, now, "drive resized");
+            if let Some(n) = d.log.admit() {
+                info!(vm = %vmr.name, drive, was, now, "drive resized{}", crate::util::suppressed(n));
+            }
             self.tell_new_size(&vmr, &d, &qmp).await;
         }
         self.save();
@@ -426,7 +441,9 @@ impl Supervisor {
         let sent = match crate::vhost::notify_config_change(&d.drive) {
             Ok(sent) => sent,
             Err(e) => {
-                warn!(vm = %vm.name, drive = %d.spec.id, "cannot send the config-change message: {e}");
+                if let Some(n) = d.log.admit() {
+                    warn!(vm = %vm.name, drive = %d.spec.id, "cannot send the config-change message: {e}{}", crate::util::suppressed(n));
+                }
                 false
             }
         };
@@ -437,7 +454,9 @@ impl Supervisor {
             id: d.spec.id.clone(),
         };
         if let Err(e) = super::qmp_run(qmp, &sync).await {
-            warn!(vm = %vm.name, drive = %d.spec.id, "QEMU's device keeps the old size until the guest resets it: {}", e.chain());
+            if let Some(n) = d.log.admit() {
+                warn!(vm = %vm.name, drive = %d.spec.id, "QEMU's device keeps the old size until the guest resets it: {}{}", e.chain(), crate::util::suppressed(n));
+            }
         }
     }
 
