@@ -108,6 +108,54 @@ enum Cmd {
     /// (`qemu-args` there, plus `-incoming URI`), migrates, checks the destination runs, quits the
     /// source QEMU.
     Migrate(MigrateArgs),
+    /// libvirt: convert a domain, install or remove the hook and the wrapper's config, and the
+    /// hook itself (docs/libvirt.md).
+    #[command(subcommand)]
+    Libvirt(LibvirtCmd),
+}
+
+#[derive(Subcommand, Debug)]
+enum LibvirtCmd {
+    /// Print DOMAIN.xml converted for accel (`<emulator>` the wrapper, shared memfd memory) on
+    /// stdout, one line per change on stderr; `virsh define` takes the output as it is.
+    Convert {
+        /// The domain XML (`virsh dumpxml --inactive DOMAIN > DOMAIN.xml`); `-`: stdin.
+        xml: PathBuf,
+        /// The emulator wrapper.
+        #[arg(long, default_value = "/usr/bin/accel-qemu")]
+        emulator: String,
+    },
+    /// Install the hook (HOOKS_DIR/qemu.d/accel) and the wrapper's config; libvirtd finds a
+    /// new hook when it starts.
+    Install {
+        /// libvirt's hook directory.
+        #[arg(long, default_value = "/etc/libvirt/hooks")]
+        hooks_dir: PathBuf,
+        /// The wrapper's config file.
+        #[arg(long, default_value = accelctl::libvirt::DEFAULT_CONF)]
+        conf: PathBuf,
+        /// The real QEMU binary the wrapper runs.
+        #[arg(long, default_value = "/usr/bin/qemu-system-x86_64")]
+        qemu: PathBuf,
+        /// acceld binary the hook starts when acceld is not running (hosts without systemd).
+        #[arg(long)]
+        start_acceld: Option<PathBuf>,
+    },
+    /// Remove what `install` installed.
+    Uninstall {
+        #[arg(long, default_value = "/etc/libvirt/hooks")]
+        hooks_dir: PathBuf,
+        #[arg(long, default_value = accelctl::libvirt::DEFAULT_CONF)]
+        conf: PathBuf,
+    },
+    /// The hook itself (libvirt runs it: DOMAIN OP SUBOP EXTRA, the domain XML on stdin).
+    Hook {
+        /// The wrapper's config file (its run-dir is acceld's).
+        #[arg(long, default_value = accelctl::libvirt::DEFAULT_CONF)]
+        conf: PathBuf,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -207,8 +255,129 @@ fn chain(e: &dyn std::error::Error) -> String {
     accel_api::error_chain(e)
 }
 
+/// Marks the files `accelctl libvirt install` writes (uninstall removes only those).
+const INSTALLED_BY: &str = "accelctl libvirt install";
+
+fn libvirt(cli: &Cli, cmd: &LibvirtCmd) -> Result<(), Fail> {
+    use accelctl::libvirt::{hook, xml, WrapperConf};
+    let io = |what: &str, p: &std::path::Path, e: std::io::Error| {
+        Fail::Remote(ErrorKind::Failed, format!("{what} {}: {e}", p.display()))
+    };
+    match cmd {
+        LibvirtCmd::Convert {
+            xml: path,
+            emulator,
+        } => {
+            let text = if path.as_os_str() == "-" {
+                hook::read_stdin().map_err(|e| io("read", path, e))?
+            } else {
+                std::fs::read_to_string(path).map_err(|e| io("read", path, e))?
+            };
+            let (out, changes) = xml::convert(&text, emulator)
+                .map_err(|e| Fail::Usage(format!("{}: {e}", path.display())))?;
+            for c in &changes {
+                eprintln!("{c}");
+            }
+            if changes.is_empty() {
+                eprintln!("nothing to change: the domain is converted already");
+            }
+            println!("{out}");
+            Ok(())
+        }
+        LibvirtCmd::Install {
+            hooks_dir,
+            conf,
+            qemu,
+            start_acceld,
+        } => {
+            let me = std::env::current_exe()
+                .map_err(|e| Fail::Remote(ErrorKind::Failed, format!("where is accelctl: {e}")))?;
+            let wrapper = me.with_file_name("accel-qemu");
+            if !wrapper.exists() {
+                return Err(Fail::Remote(
+                    ErrorKind::Failed,
+                    format!(
+                        "the wrapper {} is missing (install the package)",
+                        wrapper.display()
+                    ),
+                ));
+            }
+            if !qemu.exists() {
+                return Err(Fail::Usage(format!(
+                    "QEMU binary {} does not exist",
+                    qemu.display()
+                )));
+            }
+            let c = WrapperConf {
+                run_dir: std::path::absolute(&cli.run_dir).unwrap_or_else(|_| cli.run_dir.clone()),
+                qemu: qemu.clone(),
+                iothread: "accel-io".into(),
+                acceld: start_acceld.clone(),
+            };
+            if let Some(d) = conf.parent() {
+                std::fs::create_dir_all(d).map_err(|e| io("create", d, e))?;
+            }
+            std::fs::write(conf, c.render()).map_err(|e| io("write", conf, e))?;
+            eprintln!("wrote {}", conf.display());
+            let dir = hooks_dir.join("qemu.d");
+            std::fs::create_dir_all(&dir).map_err(|e| io("create", &dir, e))?;
+            let h = dir.join("accel");
+            let script = format!(
+                "#!/bin/sh\n# accel's libvirt hook ({INSTALLED_BY}). It never calls back into libvirt.\n\
+                 exec {} libvirt hook --conf {} -- \"$@\"\n",
+                shell_quote(&me.display().to_string()),
+                shell_quote(&conf.display().to_string())
+            );
+            std::fs::write(&h, script).map_err(|e| io("write", &h, e))?;
+            {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&h, std::fs::Permissions::from_mode(0o755))
+                    .map_err(|e| io("chmod", &h, e))?;
+            }
+            eprintln!("wrote {}", h.display());
+            eprintln!(
+                "convert a domain: accelctl libvirt convert DOMAIN.xml --emulator {} > new.xml && virsh define new.xml",
+                wrapper.display()
+            );
+            eprintln!("libvirtd finds a new hook when it (re)starts");
+            Ok(())
+        }
+        LibvirtCmd::Uninstall { hooks_dir, conf } => {
+            for p in [hooks_dir.join("qemu.d").join("accel"), conf.clone()] {
+                match std::fs::read_to_string(&p) {
+                    Ok(t) if t.contains(INSTALLED_BY) => {
+                        std::fs::remove_file(&p).map_err(|e| io("remove", &p, e))?;
+                        eprintln!("removed {}", p.display());
+                    }
+                    Ok(_) => eprintln!("left {} alone: not written by accelctl", p.display()),
+                    Err(_) => {}
+                }
+            }
+            Ok(())
+        }
+        LibvirtCmd::Hook { conf, args } => {
+            let c = if conf.exists() {
+                WrapperConf::load(conf).map_err(|e| Fail::Remote(ErrorKind::Failed, chain(&e)))?
+            } else {
+                WrapperConf::default()
+            };
+            let input = hook::read_stdin().unwrap_or_default();
+            let r = hook::run(&c, args, &input);
+            print!("{}", r.stdout);
+            for n in &r.notes {
+                eprintln!("{n}");
+            }
+            match r.error {
+                Some(e) => Err(Fail::Remote(ErrorKind::Failed, e)),
+                None => Ok(()),
+            }
+        }
+    }
+}
+
 fn run(cli: &Cli) -> Result<(), Fail> {
     match &cli.cmd {
+        Cmd::Libvirt(l) => libvirt(cli, l),
         Cmd::Status { json, watch } => loop {
             let v = call(cli, &Request::Status)?;
             if *json {
@@ -323,6 +492,7 @@ fn run(cli: &Cli) -> Result<(), Fail> {
                     drives: specs,
                     cont: *cont,
                     incoming: *incoming,
+                    monitor: None,
                 },
             )?;
             for s in v["sockets"].as_array().into_iter().flatten() {
@@ -468,6 +638,7 @@ fn migrate(cli: &Cli, m: &MigrateArgs) -> Result<(), Fail> {
             drives,
             cont: true,
             incoming: true,
+            monitor: None,
         },
     )
     .map_err(|e| step_err("register on the destination", e))?;

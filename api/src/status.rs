@@ -101,6 +101,15 @@ pub struct DriveStatus {
     pub drive: String,
     /// The vhost-user-blk-pci device using the drive's socket (None until attached).
     pub device: Option<String>,
+    /// QEMU's node-name of the drive's image (empty from an older acceld: the drive id).
+    #[serde(default)]
+    pub node: String,
+    /// The file (protocol) node under `node`; None when `node` is the file node itself.
+    #[serde(default)]
+    pub file_node: Option<String>,
+    /// The driver of `node` in QEMU: `raw` over a file node, or `file`/`host_device` itself.
+    #[serde(default)]
+    pub node_driver: String,
     pub socket: PathBuf,
     pub image: PathBuf,
     pub format: String,
@@ -280,6 +289,9 @@ mod tests {
             vm: "v".into(),
             drive: "d0".into(),
             device: Some("d0".into()),
+            node: "d0".into(),
+            file_node: Some("d0-file".into()),
+            node_driver: "raw".into(),
             socket: "/run/accel/v/d0.sock".into(),
             image: "/img".into(),
             format: "raw".into(),

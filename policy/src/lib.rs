@@ -378,16 +378,18 @@ pub fn decide(v: &DriveView) -> Decision {
         return Decision::Qemu(dedup(r));
     };
     node_rules(node, &mut r);
+    // A file or block device node right under the device, with no format layer: libvirt
+    // names a raw disk's node so (`libvirt-N-storage`). It is its own protocol layer.
+    let bare = matches!(node.driver.as_str(), "file" | "host_device");
     match node.driver.as_str() {
         "raw" => {}
+        _ if bare => {}
         d if FORMATS.contains(&d) => r.push(Reason::Format(d.to_string())),
         d if FILTERS.contains(&d) => r.push(Reason::Filter(d.to_string())),
         d if PROTOCOLS.contains(&d) => r.push(Reason::Protocol(d.to_string())),
-        // A protocol node directly under the device (no raw on top): accel's contract puts a raw
-        // node named after the drive; anything else is not understood.
         d => r.push(Reason::UnknownNodeDriver(d.to_string())),
     }
-    let mut block_device = false;
+    let mut block_device = node.driver == "host_device";
     match &v.protocol {
         None if node.driver == "raw" => {
             r.push(Reason::UnknownNodeDriver("raw without file".into()))
@@ -413,7 +415,11 @@ pub fn decide(v: &DriveView) -> Decision {
     if !r.is_empty() {
         return Decision::Qemu(dedup(r));
     }
-    let p = v.protocol.as_ref().expect("checked above");
+    let p = if bare {
+        node
+    } else {
+        v.protocol.as_ref().expect("checked above")
+    };
     let discard = match v.options.discard.as_str() {
         "unmap" | "on" => "unmap",
         _ => "ignore",

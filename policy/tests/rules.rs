@@ -84,6 +84,38 @@ fn raw_over_host_device_read_only_unmap_is_accelerated() {
 }
 
 #[test]
+fn a_bare_file_or_block_device_node_is_accelerated() {
+    // libvirt's raw disks: `-blockdev {"driver":"file","node-name":"libvirt-1-storage",…}`
+    // and the device on it, no format layer.
+    for (driver, block_device) in [("file", false), ("host_device", true)] {
+        let mut v = good();
+        v.node = Some(NodeView {
+            name: "libvirt-1-storage".into(),
+            driver: driver.into(),
+            cache_direct: true,
+            ..raw("", 1 << 30)
+        });
+        v.protocol = None;
+        match decide(&v) {
+            Decision::Accelerate(s) => {
+                assert_eq!(s.image, PathBuf::from("/img/d.raw"));
+                assert!(s.direct);
+                assert_eq!(s.block_device, block_device, "{driver}");
+            }
+            d => panic!("{driver}: {d:?}"),
+        }
+        // The node's own rules still apply.
+        v.node.as_mut().unwrap().cache_no_flush = true;
+        assert_eq!(codes(&v), vec!["cache-no-flush".to_string()]);
+    }
+    // A protocol QEMU serves itself stays there.
+    let mut v = good();
+    v.node.as_mut().unwrap().driver = "nbd".into();
+    v.protocol = None;
+    assert_eq!(codes(&v), vec!["protocol:nbd".to_string()]);
+}
+
+#[test]
 fn one_case_per_reason() {
     type Edit = fn(&mut DriveView);
     let cases: Vec<(&str, Edit)> = vec![
@@ -327,4 +359,25 @@ fn a_running_mirror_is_a_filter_and_a_job() {
         }
         d => panic!("{d:?}"),
     }
+}
+
+#[test]
+fn libvirts_leftover_commit_bitmap_is_not_a_reason() {
+    // After `virsh blockcommit --active --pivot` (libvirt 11.3, QEMU 10.0.2) the base keeps
+    // libvirt's temporary bitmap; a management bitmap still counts.
+    let node = |bitmaps: Value| {
+        serde_json::json!({"return": [{"node-name": "libvirt-1-storage", "drv": "file",
+            "file": "/img/d.raw", "ro": false, "encrypted": false, "detect_zeroes": "off",
+            "backing_file_depth": 0, "active": true,
+            "cache": {"direct": true, "no-flush": false, "writeback": true},
+            "image": {"virtual-size": 1048576, "filename": "/img/d.raw", "format": "file"},
+            "dirty-bitmaps": bitmaps}]})
+    };
+    let tmp = serde_json::json!([{"name": "libvirt-tmp-activewrite", "recording": true,
+        "persistent": false, "busy": false, "granularity": 65536, "count": 0}]);
+    let n = parse_nodes(&node(tmp)).unwrap();
+    assert_eq!(n[0].dirty_bitmaps, 0);
+    let mine = serde_json::json!([{"name": "backup-1", "recording": true, "persistent": false,
+        "busy": false, "granularity": 65536, "count": 0}]);
+    assert_eq!(parse_nodes(&node(mine)).unwrap()[0].dirty_bitmaps, 1);
 }

@@ -19,7 +19,7 @@ use accel_api::status::{DriveStatus, EngineKind};
 use serde_json::{json, Map, Value};
 
 use super::hold::{hold, release};
-use super::synth::{self, qdev_path};
+use super::synth::{self, node, qdev_path};
 use super::{forward, nbd, throttle, Shared};
 use crate::supervisor::Supervisor;
 
@@ -104,8 +104,8 @@ fn named_drives(drives: &[DriveStatus], args: &Option<Map<String, Value>>) -> Ve
         for v in a.values() {
             walk(v, &mut |s| {
                 for d in drives {
-                    let named = s == d.drive
-                        || s == format!("{}-file", d.drive)
+                    let named = s == node(d)
+                        || d.file_node.as_deref() == Some(s)
                         || d.device.as_deref() == Some(s)
                         || d.data_node.as_deref() == Some(s)
                         || s == qdev_path(d);
@@ -195,7 +195,7 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
                 if nodes {
                     list.retain(|e| !e["node-name"].as_str().is_some_and(own_name));
                     for d in ctx.drives() {
-                        if !list.iter().any(|e| e["node-name"] == d.drive.as_str()) {
+                        if !list.iter().any(|e| e["node-name"] == node(&d)) {
                             list.extend(synth::node_stats(&d));
                         }
                     }
@@ -256,6 +256,13 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
             let mut v = forward(ctx, name, args).await?;
             if let Some(list) = v.as_array_mut() {
                 list.retain(|n| !n["node-name"].as_str().is_some_and(own_name));
+                // A direct drive's nodes are gone from QEMU (docs/architecture.md): shown as
+                // QEMU showed them, so management finds the node it named.
+                for d in ctx.drives() {
+                    if !list.iter().any(|n| n["node-name"] == node(&d)) && d.data_node.is_none() {
+                        list.extend(synth::node_infos(&d));
+                    }
+                }
             }
             Ok(v)
         }
@@ -498,6 +505,8 @@ mod tests {
         }))
         .expect("a drive status");
         d.data_node = None;
+        d.node = id.into();
+        d.file_node = Some(format!("{id}-file"));
         d
     }
 

@@ -16,20 +16,38 @@ pub fn qdev_path(d: &DriveStatus) -> String {
     )
 }
 
+/// The drive's own QEMU node (an older acceld's status has none: the drive id).
+pub fn node(d: &DriveStatus) -> &str {
+    if d.node.is_empty() {
+        &d.drive
+    } else {
+        &d.node
+    }
+}
+
+/// The node's driver in QEMU: `raw` over a file node, or the file node itself.
+fn node_driver(d: &DriveStatus) -> &str {
+    if d.node_driver.is_empty() {
+        &d.format
+    } else {
+        &d.node_driver
+    }
+}
+
 /// The node holding the guest's data: an overlay or mirror target, or the drive's own.
 pub fn data_node(d: &DriveStatus) -> &str {
-    d.data_node.as_deref().unwrap_or(&d.drive)
+    d.data_node.as_deref().unwrap_or_else(|| node(d))
 }
 
 /// The drive as QEMU's `query-block` shows a virtio-blk drive. `node`: QEMU's
 /// `query-named-block-nodes` entry of the data node, when QEMU has it (the qemu engine);
 /// without it (direct) the entry is made from acceld's record of the node and the image.
-pub fn block_info(d: &DriveStatus, node: Option<&Value>) -> Value {
+pub fn block_info(d: &DriveStatus, qemu_node: Option<&Value>) -> Value {
     let path = qdev_path(d);
     let t = d.throttle.clone().unwrap_or_default();
     let n = |x: Option<u64>| x.unwrap_or(0);
-    let mut inserted = match node {
-        Some(node) => node.clone(),
+    let mut inserted = match qemu_node {
+        Some(n) => n.clone(),
         None => {
             let (ro, direct) = d
                 .spec
@@ -41,8 +59,8 @@ pub fn block_info(d: &DriveStatus, node: Option<&Value>) -> Value {
             json!({
                 "detect_zeroes": "off", "active": true,
                 "image": {"virtual-size": d.capacity_bytes, "filename": d.image,
-                          "format": d.format, "actual-size": actual, "dirty-flag": false},
-                "ro": ro, "node-name": d.drive, "backing_file_depth": 0, "drv": d.format,
+                          "format": node_driver(d), "actual-size": actual, "dirty-flag": false},
+                "ro": ro, "node-name": node(d), "backing_file_depth": 0, "drv": node_driver(d),
                 "write_threshold": 0, "encrypted": false,
                 "cache": {"no-flush": false, "direct": direct, "writeback": d.writeback},
                 "file": d.image,
@@ -75,6 +93,33 @@ pub fn block_info(d: &DriveStatus, node: Option<&Value>) -> Value {
     json!({"io-status": if d.io_status.is_empty() { "ok" } else { &d.io_status },
            "device": "", "locked": false, "removable": false, "inserted": inserted,
            "qdev": path, "type": "unknown"})
+}
+
+/// `query-named-block-nodes` entries of a drive whose nodes QEMU does not have now (direct:
+/// acceld removed them): the file node, and the raw node over it, as QEMU lists them. A node
+/// has no I/O limits of its own (they are the device's).
+pub fn node_infos(d: &DriveStatus) -> Vec<Value> {
+    let mut own = block_info(d, None)["inserted"].take();
+    for k in ["bps", "bps_rd", "bps_wr", "iops", "iops_rd", "iops_wr"] {
+        own[k] = json!(0);
+    }
+    if let Some(o) = own.as_object_mut() {
+        o.remove("group");
+    }
+    match d.file_node.as_deref() {
+        None => {
+            own["image"]["format-specific"] = json!({"type": node_driver_of_file(d), "data": {}});
+            vec![own]
+        }
+        Some(f) => {
+            let mut file = own.clone();
+            file["node-name"] = json!(f);
+            file["drv"] = json!(node_driver_of_file(d));
+            file["image"]["format"] = json!(node_driver_of_file(d));
+            file["image"]["format-specific"] = json!({"type": node_driver_of_file(d), "data": {}});
+            vec![file, own]
+        }
+    }
 }
 
 fn zero_stats() -> Value {
@@ -118,10 +163,23 @@ fn zero_stats() -> Value {
     Value::Object(s)
 }
 
-fn file_node_stats(d: &DriveStatus) -> Value {
-    json!({"stats": zero_stats(), "node-name": format!("{}-file", d.drive),
-           "driver-specific": {"discard-bytes-ok": 0, "discard-nb-ok": 0, "driver": "file",
-                               "discard-nb-failed": 0}})
+fn file_specific(d: &DriveStatus) -> Value {
+    json!({"discard-bytes-ok": 0, "discard-nb-ok": 0, "driver": node_driver_of_file(d),
+           "discard-nb-failed": 0})
+}
+
+/// The protocol layer's driver: the bare node's own, or `file` under a raw node.
+fn node_driver_of_file(d: &DriveStatus) -> &str {
+    match node_driver(d) {
+        "host_device" => "host_device",
+        _ => "file",
+    }
+}
+
+/// The file node's stats entry (under a raw node); None when the node is the file itself.
+fn file_node_stats(d: &DriveStatus) -> Option<Value> {
+    let name = d.file_node.as_deref()?;
+    Some(json!({"stats": zero_stats(), "node-name": name, "driver-specific": file_specific(d)}))
 }
 
 /// acceld's counters as QEMU's `BlockDeviceStats` (monotonic across engine switches).
@@ -154,19 +212,27 @@ pub fn block_stats(d: &DriveStatus) -> Value {
     // A device accounts invalid and failed requests (QEMU's defaults for -device).
     stats["account_invalid"] = json!(true);
     stats["account_failed"] = json!(true);
-    json!({"device": "", "parent": file_node_stats(d), "stats": stats,
-           "node-name": data_node(d), "qdev": qdev_path(d)})
+    let mut e = json!({"device": "", "stats": stats, "node-name": data_node(d),
+                       "qdev": qdev_path(d)});
+    match file_node_stats(d) {
+        Some(f) => e["parent"] = f,
+        None => e["driver-specific"] = file_specific(d),
+    }
+    e
 }
 
 /// `query-blockstats query-nodes=true` entries of a drive whose nodes QEMU does not have now
 /// (direct): the format node over its file node, as QEMU lists them. A node's own stats
 /// carry no accounting (acceld's counters are the device's).
-pub fn node_stats(d: &DriveStatus) -> [Value; 2] {
-    let file = file_node_stats(d);
-    [
-        file.clone(),
-        json!({"parent": file, "stats": zero_stats(), "node-name": d.drive}),
-    ]
+pub fn node_stats(d: &DriveStatus) -> Vec<Value> {
+    match file_node_stats(d) {
+        Some(file) => vec![
+            file.clone(),
+            json!({"parent": file, "stats": zero_stats(), "node-name": node(d)}),
+        ],
+        None => vec![json!({"stats": zero_stats(), "node-name": node(d),
+                            "driver-specific": file_specific(d)})],
+    }
 }
 
 fn num(v: &Value, k: &str) -> i64 {

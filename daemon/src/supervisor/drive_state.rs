@@ -148,6 +148,11 @@ impl ManagedDrive {
         &self.spec.id
     }
 
+    /// QEMU's node-name of the drive's image.
+    pub fn node(&self) -> &str {
+        self.spec.node_name()
+    }
+
     /// The throttle group acceld's filter uses now.
     pub fn applied_group(&self) -> String {
         lock(&self.graph)

@@ -100,7 +100,7 @@ impl Supervisor {
         if !exports.iter().any(|e| e.id == name) {
             qmp_run(
                 &qmp,
-                &BlockExportAdd::nbd(&name, d.id(), true, Some(&self.cfg.iothread))
+                &BlockExportAdd::nbd(&name, d.node(), true, Some(&self.cfg.iothread))
                     .nbd_named(&name),
             )
             .await?;
@@ -144,7 +144,7 @@ impl Supervisor {
         let r = qmp_run(
             &qmp,
             &BlockdevMirror(serde_json::json!({
-                "job-id": mirror_job(&id), "device": id, "target": mirror_target(&id),
+                "job-id": mirror_job(&id), "device": d.node(), "target": mirror_target(&id),
                 "sync": "full", "copy-mode": "background", "auto-dismiss": true,
             })),
         )

@@ -59,7 +59,7 @@ pub(super) async fn snapshot(qmp: &Qmp) -> Result<QemuSnapshot, SupError> {
 pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
     if let Some(n) = served_node(d.id(), snap) {
         let mut g = lock(&d.graph);
-        let data = (n != d.id()).then_some(n);
+        let data = (n != d.node()).then_some(n);
         if g.data_node != data {
             // Management's graph changes cause these: budgeted with the drive's other lines.
             if let Some(n) = d.log.admit() {
@@ -81,12 +81,13 @@ pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
         throttled: snap.throttled.clone(),
     };
     let id = d.id();
-    let present = snap.nodes.iter().any(|n| n.name == id);
+    let node = d.node();
+    let present = snap.nodes.iter().any(|n| n.name == node);
     {
         let g = lock(&d.graph);
         if let (false, true, Some(rec)) = (present, g.nodes_removed, &g.recorded) {
             return DriveView {
-                drive: id.to_string(),
+                drive: node.to_string(),
                 node: Some(rec.node.clone()),
                 protocol: rec.protocol.clone(),
                 parents: Vec::new(),
@@ -98,12 +99,12 @@ pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
             };
         }
     }
-    let mut v = policy::qemu::drive_view(id, &snap.nodes, snap.graph.as_ref(), &ctx);
+    let mut v = policy::qemu::drive_view(node, &snap.nodes, snap.graph.as_ref(), &ctx);
     // Our own users of the node are not reasons.
     let ours_export = snap
         .exports
         .iter()
-        .any(|e| e.id == export_id(id) && e.node_name == id);
+        .any(|e| e.id == export_id(id) && e.node_name == node);
     if ours_export {
         if let Some(i) = v
             .parents

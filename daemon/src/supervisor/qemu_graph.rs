@@ -98,6 +98,7 @@ impl Supervisor {
         after_incoming: bool,
     ) -> Result<String, SupError> {
         let id = d.id();
+        let node = d.node();
         if after_incoming {
             // The destination of a completed migration, still paused: its nodes stay
             // inactive until `cont`, and no active node (filter, export) may sit on an
@@ -105,12 +106,12 @@ impl Supervisor {
             let nodes = qmp_run(qmp, &QueryNamedBlockNodes::default()).await?;
             let inactive = nodes
                 .iter()
-                .any(|n| n["node-name"].as_str() == Some(id) && n["active"] == false);
+                .any(|n| n["node-name"].as_str() == Some(node) && n["active"] == false);
             if inactive {
                 qmp_run(
                     qmp,
                     &BlockdevSetActive {
-                        node_name: Some(id.to_string()),
+                        node_name: Some(node.to_string()),
                         active: true,
                     },
                 )
@@ -122,7 +123,7 @@ impl Supervisor {
         let data = lock(&d.graph)
             .data_node
             .clone()
-            .unwrap_or_else(|| id.to_string());
+            .unwrap_or_else(|| node.to_string());
         let top = match throttle {
             Some(l) => {
                 let group = d.group();

@@ -67,14 +67,38 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         .map(|n| n.errors.load(Ordering::Relaxed))
         .unwrap_or(0);
     let nbd_last = st.nbd.as_ref().and_then(|n| lock(&n.last_error).clone());
-    let (device, data_node) = {
+    let (device, data_node, recorded) = {
         let g = lock(&d.graph);
-        (g.device.clone(), g.data_node.clone())
+        let rec = g.recorded.as_ref().map(|r| {
+            (
+                r.node.driver.clone(),
+                r.protocol.as_ref().map(|p| p.name.clone()),
+            )
+        });
+        (g.device.clone(), g.data_node.clone(), rec)
     };
+    // The node's layers as QEMU showed them last (or as recorded before their removal);
+    // before any look at QEMU, the VM contract's raw node over `NODE-file`.
+    let (node_driver, file_node) = lock(&d.observed)
+        .last_view
+        .as_ref()
+        .and_then(|v| {
+            v.node.as_ref().map(|n| {
+                (
+                    n.driver.clone(),
+                    v.protocol.as_ref().map(|p| p.name.clone()),
+                )
+            })
+        })
+        .or(recorded)
+        .unwrap_or_else(|| (d.spec.format.clone(), Some(format!("{}-file", d.node()))));
     DriveStatus {
         vm: vm.name.clone(),
         drive: d.spec.id.clone(),
         device,
+        node: d.node().to_string(),
+        file_node,
+        node_driver,
         data_node,
         throttle_group: lock(&d.intent).throttle_group.clone(),
         socket: d.socket.clone(),

@@ -399,7 +399,7 @@ impl Supervisor {
         }
         let out = resize().await;
         let was = d.drive.capacity();
-        let size = node_size(&qmp, d.id()).await;
+        let size = node_size(&qmp, d.node()).await;
         let now = match size {
             Ok(s) if s != was => Some(d.drive.set_capacity(s)),
             Ok(_) => None,

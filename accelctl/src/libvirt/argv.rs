@@ -1,0 +1,573 @@
+//! The emulator wrapper's decision, pure: libvirt's QEMU command line in, the accelerated
+//! command line and acceld's registration out (or "run QEMU as it is").
+//!
+//! What libvirt 11.3 generates for a file disk (measured, `docs/libvirt.md`):
+//! `-blockdev {"driver":"file","filename":"/x.raw","node-name":"libvirt-1-storage",…}`
+//! `-device {"driver":"virtio-blk-pci","drive":"libvirt-1-storage","id":"virtio-disk0",…}`
+//! and its monitor as an already-listening socket:
+//! `-chardev socket,id=charmonitor,fd=N,server=on,wait=off -mon chardev=charmonitor,…`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use accel_api::control::{check_id, DiscardMode, DriveSpec, ErrorPolicy, MAX_SERIAL_BYTES};
+use serde_json::{json, Map, Value};
+
+/// QEMU options that take no argument (everything else takes one).
+const FLAGS: &[&str] = &[
+    "-S",
+    "-no-user-config",
+    "-nodefaults",
+    "-no-shutdown",
+    "-no-reboot",
+    "-nographic",
+    "-enable-kvm",
+    "-snapshot",
+    "-daemonize",
+    "-full-screen",
+    "-s",
+    "-preconfig",
+    "-only-migratable",
+    "-version",
+    "-help",
+    "-h",
+    "-no-hpet",
+    "-no-acpi",
+    "-enable-sync-profile",
+    "-semihosting",
+    "-old-param",
+    "-win2k-hack",
+    "-no-fd-bootchk",
+];
+
+/// `-device` properties of virtio-blk-pci that vhost-user-blk-pci has too, kept as they are.
+const KEPT: &[&str] = &[
+    "bus",
+    "addr",
+    "multifunction",
+    "id",
+    "bootindex",
+    "num-queues",
+    "queue-size",
+    "ats",
+    "iommu_platform",
+    "disable-legacy",
+    "disable-modern",
+    "packed",
+    "vectors",
+    "romfile",
+    "rombar",
+    "failover_pair_id",
+    "acpi-index",
+    "event_idx",
+    "indirect_desc",
+];
+
+/// Properties that acceld takes over (the drive spec) or that do not apply to a
+/// vhost-user-blk device (its I/O runs in acceld).
+const TAKEN: &[&str] = &[
+    "driver",
+    "drive",
+    "serial",
+    "write-cache",
+    "werror",
+    "rerror",
+    "logical_block_size",
+    "physical_block_size",
+    "min_io_size",
+    "opt_io_size",
+    "discard_granularity",
+    "iothread",
+    "iothread-vq-mapping",
+    "scsi",
+    "config-wce",
+];
+
+#[derive(Clone, Debug)]
+pub struct WrapConfig {
+    /// acceld's run directory.
+    pub run_dir: PathBuf,
+    /// acceld's iothread for the NBD exports (acceld's `iothread` config).
+    pub iothread: String,
+}
+
+/// libvirt's monitor, as given on the command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Monitor {
+    /// An already-listening socket (libvirt ≥ 8): its path is the socket's own address.
+    Fd(i32),
+    /// A path QEMU was to listen on.
+    Path(PathBuf),
+}
+
+/// What the wrapper does with a VM's command line.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub vm: String,
+    pub drives: Vec<DriveSpec>,
+    pub monitor: Monitor,
+    /// acceld's QMP socket, given to QEMU in place of libvirt's monitor.
+    pub qmp: PathBuf,
+    /// QEMU waits for an incoming migration (`virsh restore`, a migration's destination).
+    pub incoming: bool,
+    /// The command line to exec (without argv[0]).
+    pub args: Vec<String>,
+    /// One line per change or per disk left alone, for libvirt's domain log.
+    pub notes: Vec<String>,
+}
+
+#[derive(Clone, Debug)]
+pub enum Outcome {
+    /// Run QEMU with the command line as it is (a capability probe, no eligible disk).
+    Unchanged(String),
+    Wrap(Box<Plan>),
+}
+
+/// Splits QEMU's `key=value,…` option text (`,,` is a comma).
+pub fn split_opts(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut it = s.chars().peekable();
+    while let Some(c) = it.next() {
+        if c == ',' {
+            if it.peek() == Some(&',') {
+                it.next();
+                cur.push(',');
+            } else {
+                out.push(std::mem::take(&mut cur));
+            }
+        } else {
+            cur.push(c);
+        }
+    }
+    out.push(cur);
+    out
+}
+
+fn opt<'a>(parts: &'a [String], key: &str) -> Option<&'a str> {
+    parts
+        .iter()
+        .find_map(|p| p.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+}
+
+/// acceld's name for a libvirt domain: the domain's name when it is a valid acceld id, else
+/// `vm-` and the first hex digits of its UUID.
+pub fn vm_name(domain: &str, uuid: Option<&str>) -> Option<String> {
+    if check_id("VM name", domain).is_ok() {
+        return Some(domain.to_string());
+    }
+    let hex: String = uuid?.chars().filter(char::is_ascii_hexdigit).collect();
+    (hex.len() >= 16).then(|| format!("vm-{}", &hex[..24.min(hex.len())]))
+}
+
+/// One option of the command line and its argument.
+struct Arg {
+    name: String,
+    value: Option<String>,
+}
+
+fn parse_args(args: &[String]) -> Vec<Arg> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let a = &args[i];
+        let norm = if a.starts_with("--") { &a[1..] } else { a };
+        if norm.starts_with('-') && !FLAGS.contains(&norm) && i + 1 < args.len() {
+            out.push(Arg {
+                name: norm.to_string(),
+                value: Some(args[i + 1].clone()),
+            });
+            i += 2;
+        } else {
+            out.push(Arg {
+                name: a.clone(),
+                value: None,
+            });
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The protocol node a drive's image is on, and what acceld needs of the chain.
+struct Chain {
+    node: String,
+    format: String,
+    image: String,
+    read_only: bool,
+    direct: bool,
+    discard: DiscardMode,
+}
+
+fn protocol(n: &Value) -> bool {
+    matches!(n["driver"].as_str(), Some("file" | "host_device"))
+}
+
+fn chain(nodes: &BTreeMap<String, Value>, name: &str) -> Result<Chain, String> {
+    let top = nodes
+        .get(name)
+        .ok_or_else(|| format!("its node {name} is not a -blockdev of the command line"))?;
+    let driver = top["driver"].as_str().unwrap_or("");
+    let file = if protocol(top) {
+        top
+    } else {
+        match driver {
+            "raw" if top.get("offset").is_some() || top.get("size").is_some() => {
+                return Err("its raw node shows a part of the file (offset/size)".into())
+            }
+            "raw" | "qcow2" | "qed" | "vmdk" | "vdi" | "vhdx" | "vpc" => {}
+            d => return Err(format!("its node's driver is {d}")),
+        }
+        let child = top["file"]
+            .as_str()
+            .and_then(|c| nodes.get(c))
+            .ok_or_else(|| format!("its {driver} node has no named file node"))?;
+        if !protocol(child) {
+            return Err(format!(
+                "its {driver} node is on a {} node, not a file",
+                child["driver"].as_str().unwrap_or("?")
+            ));
+        }
+        child
+    };
+    let image = file["filename"].as_str().unwrap_or("").to_string();
+    if !image.starts_with('/') || image.starts_with("/dev/fdset/") {
+        return Err(format!(
+            "its image '{image}' is not a path acceld can open (libvirt passed a descriptor)"
+        ));
+    }
+    let ro = |n: &Value| n["read-only"] == true;
+    let unmap = |n: &Value| n["discard"] == "unmap" || n["discard"] == "on";
+    Ok(Chain {
+        node: name.to_string(),
+        format: if protocol(top) { "raw" } else { driver }.to_string(),
+        image,
+        read_only: ro(top) || ro(file),
+        direct: file["cache"]["direct"] == true,
+        discard: if unmap(top) && unmap(file) {
+            DiscardMode::Unmap
+        } else {
+            DiscardMode::Ignore
+        },
+    })
+}
+
+fn policy(v: &Value, key: &str) -> Result<Option<ErrorPolicy>, String> {
+    match v[key].as_str() {
+        None => Ok(None),
+        Some(s) => s.parse().map(Some).map_err(|e| format!("{key}={s}: {e}")),
+    }
+}
+
+/// The drive spec and the vhost-user-blk-pci device of an eligible virtio-blk-pci device.
+fn convert_device(
+    dev: &Map<String, Value>,
+    nodes: &BTreeMap<String, Value>,
+) -> Result<(DriveSpec, Map<String, Value>), String> {
+    let dv = Value::Object(dev.clone());
+    let id = dev
+        .get("id")
+        .and_then(Value::as_str)
+        .ok_or("it has no id")?;
+    check_id("drive id", id).map_err(|e| e.0)?;
+    for k in dev.keys() {
+        if !KEPT.contains(&k.as_str()) && !TAKEN.contains(&k.as_str()) {
+            return Err(format!(
+                "its property '{k}' has no vhost-user-blk equivalent"
+            ));
+        }
+    }
+    if dv["share-rw"] == true {
+        return Err("it is shared with other VMs (share-rw)".into());
+    }
+    let node = dev
+        .get("drive")
+        .and_then(Value::as_str)
+        .ok_or("it has no drive")?;
+    let c = chain(nodes, node)?;
+    let queues = match dev.get("num-queues") {
+        None => 1,
+        Some(q) => q
+            .as_u64()
+            .filter(|q| (1..=64).contains(q))
+            .ok_or_else(|| format!("num-queues {q} is not 1 to 64"))? as u16,
+    };
+    let serial = dv["serial"].as_str().map(str::to_string);
+    if serial.as_ref().is_some_and(|s| s.len() > MAX_SERIAL_BYTES) {
+        return Err(format!(
+            "its serial is longer than {MAX_SERIAL_BYTES} bytes"
+        ));
+    }
+    let lbs = match dv["logical_block_size"].as_u64() {
+        None | Some(512) => 512,
+        Some(4096) => 4096,
+        Some(n) => return Err(format!("logical_block_size {n}")),
+    };
+    let writeback = match &dv["write-cache"] {
+        Value::Null => None,
+        Value::String(s) if s == "auto" => None,
+        Value::String(s) => Some(s == "on"),
+        Value::Bool(b) => Some(*b),
+        v => return Err(format!("write-cache {v}")),
+    };
+    let mut spec = DriveSpec::parse(&format!("id={id},image=/x")).map_err(|e| e.0)?;
+    spec.node = Some(c.node);
+    spec.image = PathBuf::from(c.image);
+    spec.format = c.format;
+    spec.read_only = c.read_only;
+    spec.direct = c.direct;
+    spec.discard = c.discard;
+    spec.queues = queues;
+    spec.serial = serial;
+    spec.logical_block_size = lbs;
+    spec.writeback = writeback;
+    if let Some(p) = policy(&dv, "werror")? {
+        spec.werror = p;
+    }
+    if let Some(p) = policy(&dv, "rerror")? {
+        spec.rerror = p;
+    }
+    spec.validate().map_err(|e| e.0)?;
+    let mut out = Map::new();
+    out.insert("driver".into(), json!("vhost-user-blk-pci"));
+    out.insert("chardev".into(), json!(chardev_id(id)));
+    for (k, v) in dev {
+        if KEPT.contains(&k.as_str()) {
+            out.insert(k.clone(), v.clone());
+        }
+    }
+    Ok((spec, out))
+}
+
+/// The chardev of a drive's vhost-user socket (the VM contract's `DRIVE-sock`).
+pub fn chardev_id(drive: &str) -> String {
+    format!("{drive}-sock")
+}
+
+/// acceld's socket of a drive (`RUN_DIR/VM/DRIVE.sock`, acceld's registry).
+pub fn drive_socket(cfg: &WrapConfig, vm: &str, drive: &str) -> PathBuf {
+    cfg.run_dir.join(vm).join(format!("{drive}.sock"))
+}
+
+/// acceld's QMP socket of a VM.
+pub fn qmp_socket(cfg: &WrapConfig, vm: &str) -> PathBuf {
+    cfg.run_dir.join(vm).join("qemu-qmp.sock")
+}
+
+/// Shared memory for vhost-user: libvirt's RAM backends become shared memfd backends.
+/// Returns false when a backend cannot be shared (a file backend without `share`).
+fn share_memory(o: &mut Map<String, Value>, notes: &mut Vec<String>) -> bool {
+    let id = o
+        .get("id")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    match o.get("qom-type").and_then(Value::as_str) {
+        Some("memory-backend-ram") => {
+            o.insert("qom-type".into(), json!("memory-backend-memfd"));
+            o.insert("share".into(), json!(true));
+            notes.push(format!(
+                "memory {id}: memory-backend-ram -> shared memory-backend-memfd (vhost-user needs shared guest memory)"
+            ));
+            true
+        }
+        Some("memory-backend-memfd") => {
+            if o.get("share") != Some(&json!(true)) {
+                o.insert("share".into(), json!(true));
+                notes.push(format!("memory {id}: memfd made shared"));
+            }
+            true
+        }
+        Some("memory-backend-file") => o.get("share") == Some(&json!(true)),
+        _ => true,
+    }
+}
+
+/// Decides what to run for libvirt's command line `args` (argv without argv[0]).
+pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
+    let parsed = parse_args(args);
+    let value = |name: &str| {
+        parsed
+            .iter()
+            .find(|a| a.name == name)
+            .and_then(|a| a.value.as_deref())
+    };
+    let Some(name_opt) = value("-name") else {
+        return Outcome::Unchanged("no -name: not a VM (a capability probe)".into());
+    };
+    if value("-machine").is_some_and(|m| split_opts(m).first().is_some_and(|t| t == "none")) {
+        return Outcome::Unchanged("-machine none: a capability probe".into());
+    }
+    let parts = split_opts(name_opt);
+    let domain = opt(&parts, "guest").unwrap_or(&parts[0]).to_string();
+    let Some(vm) = vm_name(&domain, value("-uuid")) else {
+        return Outcome::Unchanged(format!(
+            "the domain name '{domain}' is not a valid acceld name and there is no -uuid"
+        ));
+    };
+    // libvirt's monitor: the -mon in control mode and its chardev.
+    let mon_chardev = parsed
+        .iter()
+        .filter(|a| a.name == "-mon")
+        .filter_map(|a| a.value.as_deref())
+        .map(split_opts)
+        .find(|p| opt(p, "mode") == Some("control"))
+        .and_then(|p| opt(&p, "chardev").map(str::to_string));
+    let Some(mon_chardev) = mon_chardev else {
+        return Outcome::Unchanged("no QMP monitor (-mon …,mode=control) to proxy".into());
+    };
+    let mut monitor = None;
+    let mut nodes = BTreeMap::new();
+    for a in &parsed {
+        let Some(v) = a.value.as_deref() else {
+            continue;
+        };
+        match a.name.as_str() {
+            "-blockdev" => {
+                if let Ok(n) = serde_json::from_str::<Value>(v) {
+                    if let Some(name) = n["node-name"].as_str() {
+                        nodes.insert(name.to_string(), n.clone());
+                    }
+                }
+            }
+            "-chardev" => {
+                let p = split_opts(v);
+                if p[0] == "socket" && opt(&p, "id") == Some(mon_chardev.as_str()) {
+                    monitor = match (opt(&p, "fd").and_then(|f| f.parse().ok()), opt(&p, "path")) {
+                        (Some(fd), _) => Some(Monitor::Fd(fd)),
+                        (None, Some(path)) => Some(Monitor::Path(PathBuf::from(path))),
+                        _ => None,
+                    };
+                }
+            }
+            _ => {}
+        }
+    }
+    let Some(monitor) = monitor else {
+        return Outcome::Unchanged(format!(
+            "the monitor chardev {mon_chardev} is not a unix socket (fd= or path=)"
+        ));
+    };
+    let incoming = value("-incoming").is_some();
+    let mut notes = Vec::new();
+    // Memory first: without shared memory no disk can be accelerated.
+    let mut out: Vec<String> = Vec::with_capacity(args.len() + 8);
+    let mut shared = true;
+    let mut has_iothread = false;
+    let mut objects = Vec::new();
+    for a in &parsed {
+        if a.name == "-object" {
+            if let Some(Ok(Value::Object(mut o))) = a.value.as_deref().map(serde_json::from_str) {
+                let before = o.clone();
+                shared &= share_memory(&mut o, &mut notes);
+                if o.get("qom-type") == Some(&json!("iothread"))
+                    && o.get("id").and_then(Value::as_str) == Some(cfg.iothread.as_str())
+                {
+                    has_iothread = true;
+                }
+                // Only what changed is written anew (libvirt's own text otherwise).
+                objects.push((o != before).then_some(Value::Object(o)));
+                continue;
+            }
+        }
+        objects.push(None);
+    }
+    let mut drives = Vec::new();
+    let mut devices = Vec::new();
+    for a in &parsed {
+        let mut new = None;
+        if let ("-device", Some(v)) = (a.name.as_str(), a.value.as_deref()) {
+            if let Ok(Value::Object(d)) = serde_json::from_str::<Value>(v) {
+                if d.get("driver").and_then(Value::as_str) == Some("virtio-blk-pci") {
+                    let id = d
+                        .get("id")
+                        .and_then(Value::as_str)
+                        .unwrap_or("?")
+                        .to_string();
+                    match convert_device(&d, &nodes) {
+                        Err(why) => notes.push(format!("{id}: stays a virtio-blk-pci device: {why}")),
+                        Ok(_) if !shared => notes.push(format!(
+                            "{id}: stays a virtio-blk-pci device: guest memory is a file backend without share=on"
+                        )),
+                        Ok((spec, dev)) => {
+                            notes.push(format!(
+                                "{id}: virtio-blk-pci on node {} -> vhost-user-blk-pci served by acceld ({} {})",
+                                spec.node_name(),
+                                spec.format,
+                                spec.image.display()
+                            ));
+                            drives.push(spec);
+                            new = Some(Value::Object(dev));
+                        }
+                    }
+                }
+            }
+        }
+        devices.push(new);
+    }
+    if drives.is_empty() {
+        return Outcome::Unchanged("no virtio-blk-pci disk acceld can serve".into());
+    }
+    let qmp = qmp_socket(cfg, &vm);
+    for (i, a) in parsed.iter().enumerate() {
+        match (a.name.as_str(), &a.value) {
+            ("-object", Some(_)) if objects[i].is_some() => {
+                out.push(a.name.clone());
+                out.push(objects[i].as_ref().expect("checked").to_string());
+            }
+            ("-device", Some(_)) if devices[i].is_some() => {
+                let dev = devices[i].as_ref().expect("checked");
+                let id = dev["id"].as_str().unwrap_or("");
+                out.push("-chardev".into());
+                out.push(format!(
+                    "socket,id={},path={},reconnect-ms=1000",
+                    chardev_id(id),
+                    opt_escape(&drive_socket(cfg, &vm, id))
+                ));
+                out.push(a.name.clone());
+                out.push(dev.to_string());
+            }
+            ("-chardev", Some(v))
+                if split_opts(v).first().is_some_and(|t| t == "socket")
+                    && opt(&split_opts(v), "id") == Some(mon_chardev.as_str()) =>
+            {
+                out.push(a.name.clone());
+                out.push(format!(
+                    "socket,id={mon_chardev},path={},server=on,wait=off",
+                    opt_escape(&qmp)
+                ));
+                notes.push(format!(
+                    "monitor {mon_chardev}: libvirt's socket goes to acceld's QMP proxy; QEMU's monitor is {}",
+                    qmp.display()
+                ));
+            }
+            (_, Some(v)) => {
+                out.push(a.name.clone());
+                out.push(v.clone());
+            }
+            (_, None) => out.push(a.name.clone()),
+        }
+    }
+    if !has_iothread {
+        out.push("-object".into());
+        out.push(json!({"qom-type": "iothread", "id": cfg.iothread}).to_string());
+        notes.push(format!(
+            "iothread {} added for acceld's NBD exports",
+            cfg.iothread
+        ));
+    }
+    Outcome::Wrap(Box::new(Plan {
+        vm,
+        drives,
+        monitor,
+        qmp,
+        incoming,
+        args: out,
+        notes,
+    }))
+}
+
+/// A path in QEMU's option syntax (`,` doubled).
+fn opt_escape(p: &Path) -> String {
+    p.display().to_string().replace(',', ",,")
+}

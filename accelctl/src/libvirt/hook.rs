@@ -1,0 +1,158 @@
+//! The libvirt hook (`/etc/libvirt/hooks/qemu.d/accel` runs `accelctl libvirt hook`): argv
+//! `DOMAIN OP SUBOP EXTRA`, the domain XML on stdin. It never calls back into libvirt (that
+//! deadlocks), every wait is bounded, and whatever it starts is detached from its stdout and
+//! stderr (libvirt waits for their EOF). Domains that do not use `accel-qemu` are left alone.
+
+use std::io::Read;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use accel_api::control::{self, ErrorKind, Request};
+
+use super::{xml, WrapperConf};
+
+/// Longest domain XML read from stdin.
+const MAX_XML: u64 = 16 << 20;
+/// Every call to acceld.
+const CALL: Duration = Duration::from_secs(10);
+/// How long `prepare` waits for an acceld it started.
+const START_WAIT: Duration = Duration::from_secs(15);
+
+/// What the hook prints for libvirt: stdout (the XML, for `migrate` and `restore` filters)
+/// and the error that fails the operation.
+#[derive(Debug, Default)]
+pub struct HookResult {
+    pub stdout: String,
+    pub error: Option<String>,
+    /// Lines for stderr that do not fail anything.
+    pub notes: Vec<String>,
+}
+
+fn reachable(sock: &Path) -> bool {
+    control::call(sock, &Request::Status, CALL).is_ok_and(|r| r.ok)
+}
+
+fn start_acceld(conf: &WrapperConf, bin: &Path) -> Result<(), String> {
+    use std::os::unix::process::CommandExt;
+    let log = conf.run_dir.with_extension("log");
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .map_err(|e| format!("cannot open acceld's log {}: {e}", log.display()))?;
+    let err = out
+        .try_clone()
+        .map_err(|e| format!("cannot open acceld's log {}: {e}", log.display()))?;
+    let mut cmd = std::process::Command::new(bin);
+    cmd.arg("run")
+        .arg("--run-dir")
+        .arg(&conf.run_dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0);
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+    drop(child);
+    let sock = conf.run_dir.join("acceld.sock");
+    let t0 = Instant::now();
+    while t0.elapsed() < START_WAIT {
+        if reachable(&sock) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(format!(
+        "started {} but its control socket {} did not answer within {START_WAIT:?} (see {})",
+        bin.display(),
+        sock.display(),
+        log.display()
+    ))
+}
+
+/// Runs the hook for `op` with the domain XML `input`.
+pub fn run(conf: &WrapperConf, args: &[String], input: &str) -> HookResult {
+    let mut res = HookResult::default();
+    let op = args.get(1).map(String::as_str).unwrap_or("");
+    // Filters pass the XML on unchanged.
+    if matches!(op, "migrate" | "restore") {
+        res.stdout = input.to_string();
+    }
+    let facts = match xml::facts(input) {
+        Ok(f) => f,
+        Err(e) => {
+            res.notes.push(format!("accel hook: {e}; nothing done"));
+            return res;
+        }
+    };
+    if !xml::uses_wrapper(&facts) {
+        return res;
+    }
+    let Some(vm) = super::argv::vm_name(&facts.name, facts.uuid.as_deref()) else {
+        res.error = Some(format!(
+            "accel: the domain name '{}' is not a valid acceld name and the domain has no UUID",
+            facts.name
+        ));
+        return res;
+    };
+    let sock = conf.run_dir.join("acceld.sock");
+    match op {
+        "prepare" => {
+            if reachable(&sock) {
+                return res;
+            }
+            match &conf.acceld {
+                Some(bin) => {
+                    if let Err(e) = start_acceld(conf, bin) {
+                        res.error = Some(format!("accel: {e}"));
+                    }
+                }
+                None => {
+                    res.error = Some(format!(
+                        "accel: acceld is not running (no answer on {}); start it (systemctl start acceld) before starting {}",
+                        sock.display(),
+                        facts.name
+                    ))
+                }
+            }
+        }
+        "release" => match control::call(&sock, &Request::Unregister { vm: vm.clone() }, CALL) {
+            Ok(r) if r.ok || r.kind == Some(ErrorKind::NotFound) => {}
+            Ok(r) => res.notes.push(format!(
+                "accel hook: unregister {vm}: {}",
+                r.error.unwrap_or_default()
+            )),
+            Err(e) => res.notes.push(format!(
+                "accel hook: unregister {vm}: {}",
+                accel_api::error_chain(&e)
+            )),
+        },
+        "reconnect" => {
+            let known = control::call(&sock, &Request::Status, CALL)
+                .ok()
+                .and_then(|r| r.result)
+                .is_some_and(|s| {
+                    s["vms"]
+                        .as_array()
+                        .is_some_and(|v| v.iter().any(|x| x["vm"] == vm.as_str()))
+                });
+            if !known {
+                res.notes.push(format!(
+                    "accel hook: libvirt reconnects to {}, which acceld does not serve (is acceld running at {}?)",
+                    facts.name,
+                    conf.run_dir.display()
+                ));
+            }
+        }
+        _ => {}
+    }
+    res
+}
+
+/// Reads the XML from stdin (bounded).
+pub fn read_stdin() -> std::io::Result<String> {
+    let mut s = String::new();
+    std::io::stdin().take(MAX_XML).read_to_string(&mut s)?;
+    Ok(s)
+}

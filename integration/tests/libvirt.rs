@@ -1,0 +1,437 @@
+//! libvirt 11.3 with real libvirtd and virsh: a TCG domain whose raw file disk is converted by
+//! `accelctl libvirt convert`, run through the emulator wrapper (`accel-qemu`) and the hook,
+//! with 16 verifying writers in the guest throughout. Every virsh command a host operator
+//! uses on the disk: start, domblklist, dumpxml, domblkstat, domblkinfo, blkdeviotune,
+//! snapshot-create-as --disk-only, blockcommit --active --pivot, blockresize, save, restore,
+//! a libvirtd restart, the guest's own poweroff. CI starts virtlogd and libvirtd (`.ci/run`);
+//! `ACCEL_LIBVIRT_TESTS=0` leaves the test out on a machine without them.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use accel_integration::supervised::{accelctl_bin, writer_script, AcceldRun};
+use accel_integration::{acceld_bin, ensure_guest, host_md5};
+use anyhow::{anyhow, bail, Context, Result};
+
+const CONFIG: &str = "quiet-period-ms = 300\npoll-interval-ms = 200\n";
+const DOM: &str = "accel-lv-test";
+const DRIVE: &str = "virtio-disk0";
+
+fn virsh(args: &[&str]) -> Result<String> {
+    let out = Command::new("virsh")
+        .args(["-c", "qemu:///system"])
+        .args(args)
+        .output()
+        .context("running virsh (apt-get install libvirt-clients)")?;
+    if !out.status.success() {
+        bail!(
+            "virsh {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Restarts libvirtd (no systemd: `libvirtd -d`); returns once virsh answers.
+fn restart_libvirtd() -> Result<()> {
+    if let Ok(pid) = std::fs::read_to_string("/run/libvirtd.pid") {
+        let pid = pid.trim().to_string();
+        let _ = Command::new("kill").arg(&pid).status();
+        let t0 = Instant::now();
+        while Path::new(&format!("/proc/{pid}")).exists() {
+            if t0.elapsed() > Duration::from_secs(30) {
+                bail!("libvirtd {pid} did not stop within 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let st = Command::new("libvirtd").arg("-d").status()?;
+    if !st.success() {
+        bail!("libvirtd -d failed: {st}");
+    }
+    let t0 = Instant::now();
+    while virsh(&["version"]).is_err() {
+        if t0.elapsed() > Duration::from_secs(60) {
+            bail!("libvirtd did not answer within 60 s of its start");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// The guest's serial console: a unix socket QEMU listens on (a new one per QEMU process).
+struct Serial {
+    stream: UnixStream,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Serial {
+    fn connect(path: &Path) -> Result<Self> {
+        let t0 = Instant::now();
+        let stream = loop {
+            match UnixStream::connect(path) {
+                Ok(s) => break s,
+                Err(_) if t0.elapsed() < Duration::from_secs(60) => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Err(e) => return Err(e).context(format!("serial console {}", path.display())),
+            }
+        };
+        let (tx, lines) = mpsc::channel();
+        let r = stream.try_clone()?;
+        std::thread::spawn(move || {
+            for l in BufReader::new(r).lines().map_while(|l| l.ok()) {
+                let _ = tx.send(l);
+            }
+        });
+        Ok(Serial {
+            stream,
+            lines,
+            seen: Vec::new(),
+        })
+    }
+
+    fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if l.contains(needle) {
+                        return Ok(l);
+                    }
+                }
+                Err(_) => bail!(
+                    "guest did not print '{needle}' within {timeout:?}:\n{}",
+                    self.seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    fn value(&mut self, key: &str) -> Result<String> {
+        let l = self.wait_for(&format!("{key}="), Duration::from_secs(120))?;
+        Ok(l.split_once(&format!("{key}="))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_default())
+    }
+}
+
+fn stat(dom: &str, key: &str) -> Result<u64> {
+    let out = virsh(&["domblkstat", dom, "vda"])?;
+    out.lines()
+        .find_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next() == Some("vda") && w.next() == Some(key))
+                .then(|| w.next().and_then(|v| v.parse().ok()))
+                .flatten()
+        })
+        .ok_or_else(|| anyhow!("no {key} in domblkstat: {out}"))
+}
+
+fn ops(dom: &str) -> Result<u64> {
+    Ok(stat(dom, "rd_req")? + stat(dom, "wr_req")?)
+}
+
+fn domain_xml(dir: &Path, img: &Path, kernel: &Path, initrd: &Path) -> String {
+    let script = writer_script("/dev/vda", 16, 64);
+    let cmd = base64(script.as_bytes());
+    format!(
+        r#"<domain type='qemu'>
+  <name>{DOM}</name>
+  <uuid>0b6f2f9e-5a1c-4e7e-9d1e-acce1d000001</uuid>
+  <memory unit='MiB'>256</memory>
+  <vcpu>1</vcpu>
+  <features><acpi/></features>
+  <os>
+    <type arch='x86_64' machine='q35'>hvm</type>
+    <kernel>{}</kernel>
+    <initrd>{}</initrd>
+    <cmdline>console=ttyS0 panic=-1 testcmd={cmd}</cmdline>
+  </os>
+  <on_poweroff>destroy</on_poweroff><on_reboot>destroy</on_reboot><on_crash>destroy</on_crash>
+  <devices>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+    <disk type='file' device='disk'>
+      <driver name='qemu' type='raw' cache='none' io='native'/>
+      <source file='{}'/>
+      <target dev='vda' bus='virtio'/>
+    </disk>
+    <controller type='usb' model='none'/>
+    <serial type='unix'><source mode='bind' path='{}/serial.sock'/><target port='0'/></serial>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+"#,
+        kernel.display(),
+        initrd.display(),
+        img.display(),
+        dir.display()
+    )
+}
+
+fn base64(b: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut s = String::new();
+    for c in b.chunks(3) {
+        let n = (c[0] as u32) << 16
+            | (*c.get(1).unwrap_or(&0) as u32) << 8
+            | *c.get(2).unwrap_or(&0) as u32;
+        for i in 0..4 {
+            if i <= c.len() {
+                s.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                s.push('=');
+            }
+        }
+    }
+    s
+}
+
+/// Undefines the domain and removes the hook whatever happens.
+struct Cleanup {
+    hooks: PathBuf,
+    conf: PathBuf,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = virsh(&["destroy", DOM]);
+        let _ = virsh(&["undefine", DOM]);
+        if let Ok(ctl) = accelctl_bin() {
+            let _ = Command::new(ctl)
+                .args(["libvirt", "uninstall", "--hooks-dir"])
+                .arg(&self.hooks)
+                .arg("--conf")
+                .arg(&self.conf)
+                .status();
+        }
+    }
+}
+
+fn state(dom: &str) -> String {
+    virsh(&["domstate", dom])
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+fn wait_state(dom: &str, want: &str, timeout: Duration) -> Result<()> {
+    let t0 = Instant::now();
+    while state(dom) != want {
+        if t0.elapsed() > timeout {
+            bail!("{dom} is '{}', not '{want}', after {timeout:?}", state(dom));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+fn vm_known(acc: &AcceldRun) -> Result<bool> {
+    Ok(acc.status()?["vms"]
+        .as_array()
+        .is_some_and(|v| v.iter().any(|x| x["vm"] == DOM)))
+}
+
+#[test]
+fn virsh_manages_an_accelerated_domain() -> Result<()> {
+    if std::env::var("ACCEL_LIBVIRT_TESTS").as_deref() == Ok("0") {
+        eprintln!("ACCEL_LIBVIRT_TESTS=0: libvirt test left out");
+        return Ok(());
+    }
+    virsh(&["version"]).context("libvirtd must run (virtlogd -d; libvirtd -d), as .ci/run does")?;
+    let (kernel, initrd) = ensure_guest()?;
+    let dir = tempfile::Builder::new()
+        .prefix("accel-libvirt")
+        .tempdir_in("/var/tmp")?;
+    let d = dir.path();
+    let img = d.join("disk.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let run = d.join("run");
+    let acc = AcceldRun::start(&run, CONFIG)?;
+    // The wrapper and its config beside it, the hook in libvirt's hook directory.
+    let bin = d.join("bin");
+    std::fs::create_dir_all(&bin)?;
+    let wrapper = bin.join("accel-qemu");
+    std::os::unix::fs::symlink(acceld_bin()?.with_file_name("accel-qemu"), &wrapper)?;
+    let conf = bin.join("accel-qemu.conf");
+    let hooks = PathBuf::from("/etc/libvirt/hooks");
+    let _cleanup = Cleanup {
+        hooks: hooks.clone(),
+        conf: conf.clone(),
+    };
+    let _ = virsh(&["destroy", DOM]);
+    let _ = virsh(&["undefine", DOM]);
+    acc.ctl_ok(&[
+        "libvirt",
+        "install",
+        "--hooks-dir",
+        hooks.to_str().unwrap(),
+        "--conf",
+        conf.to_str().unwrap(),
+    ])?;
+    restart_libvirtd()?;
+
+    // Convert: the emulator and shared memfd memory, nothing else.
+    let plain = d.join("plain.xml");
+    std::fs::write(&plain, domain_xml(d, &img, &kernel, &initrd))?;
+    let out = Command::new(accelctl_bin()?)
+        .args(["libvirt", "convert"])
+        .arg(&plain)
+        .arg("--emulator")
+        .arg(&wrapper)
+        .output()?;
+    let changes = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "convert: {changes}");
+    assert_eq!(changes.lines().count(), 3, "{changes}");
+    assert!(
+        changes.contains("<emulator>") && changes.contains("memfd"),
+        "{changes}"
+    );
+    let conv = d.join("conv.xml");
+    std::fs::write(&conv, &out.stdout)?;
+    virsh(&["define", conv.to_str().unwrap()])?;
+
+    // virsh start: served on the direct engine; libvirt sees an ordinary file disk.
+    virsh(&["start", DOM])?;
+    let mut serial = Serial::connect(&d.join("serial.sock"))?;
+    serial.wait_for("READY", Duration::from_secs(120))?;
+    acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(60))?;
+    let list = virsh(&["domblklist", DOM])?;
+    assert!(
+        list.contains("vda") && list.contains(img.to_str().unwrap()),
+        "{list}"
+    );
+    let xml = virsh(&["dumpxml", DOM])?;
+    assert!(xml.contains("<disk type='file' device='disk'>"), "{xml}");
+    assert!(!xml.contains("vhostuser"), "{xml}");
+    let info = virsh(&["domblkinfo", DOM, "vda"])?;
+    assert!(
+        info.contains(&format!("Capacity:       {}", 64u64 << 20)),
+        "{info}"
+    );
+    let w0 = stat(DOM, "wr_req")?;
+    std::thread::sleep(Duration::from_secs(2));
+    let w1 = stat(DOM, "wr_req")?;
+    assert!(w1 > w0, "domblkstat wr_req does not grow: {w0} -> {w1}");
+    let t0 = Instant::now();
+    let o0 = ops(DOM)?;
+    std::thread::sleep(Duration::from_secs(3));
+    let free_rate = (ops(DOM)? - o0) as f64 / t0.elapsed().as_secs_f64();
+
+    // blkdeviotune: QEMU's block layer with the limit; cleared: direct again.
+    virsh(&[
+        "blkdeviotune",
+        DOM,
+        "vda",
+        "--total-iops-sec",
+        "20",
+        "--live",
+    ])?;
+    let dr = acc.drive(DOM, DRIVE)?;
+    assert_eq!(dr["engine"], "qemu", "{dr}");
+    assert!(dr["reasons"].to_string().contains("throttle"), "{dr}");
+    let q = virsh(&["blkdeviotune", DOM, "vda"])?;
+    assert!(q.contains("total_iops_sec : 20"), "{q}");
+    std::thread::sleep(Duration::from_secs(1));
+    let t0 = Instant::now();
+    let o0 = ops(DOM)?;
+    std::thread::sleep(Duration::from_secs(5));
+    let limited = (ops(DOM)? - o0) as f64 / t0.elapsed().as_secs_f64();
+    eprintln!("guest ops/s: {free_rate:.1} unlimited, {limited:.1} with total-iops-sec 20");
+    assert!(
+        limited <= 20.0 * 1.3,
+        "the limit does not hold: {limited:.1} ops/s"
+    );
+    virsh(&[
+        "blkdeviotune",
+        DOM,
+        "vda",
+        "--total-iops-sec",
+        "0",
+        "--live",
+    ])?;
+    acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(30))?;
+
+    // A disk-only snapshot: the overlay is QEMU's; an active commit with pivot: direct again.
+    let overlay = d.join("s1.qcow2");
+    virsh(&[
+        "snapshot-create-as",
+        DOM,
+        "s1",
+        "--disk-only",
+        "--atomic",
+        "--no-metadata",
+        "--diskspec",
+        &format!("vda,file={}", overlay.display()),
+    ])?;
+    let dr = acc.drive(DOM, DRIVE)?;
+    assert_eq!(dr["engine"], "qemu", "{dr}");
+    assert!(virsh(&["domblklist", DOM])?.contains(overlay.to_str().unwrap()));
+    std::thread::sleep(Duration::from_secs(1));
+    virsh(&["blockcommit", DOM, "vda", "--active", "--pivot", "--wait"])?;
+    assert!(virsh(&["domblklist", DOM])?.contains(img.to_str().unwrap()));
+    acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(30))?;
+
+    // blockresize: the guest sees the new size.
+    virsh(&["blockresize", DOM, "vda", "80M"])?;
+    let info = virsh(&["domblkinfo", DOM, "vda"])?;
+    assert!(
+        info.contains(&format!("Capacity:       {}", 80u64 << 20)),
+        "{info}"
+    );
+    acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(30))?;
+
+    // save: QEMU ends, acceld forgets the VM; restore: served again (QEMU -incoming).
+    let saved = d.join("save.img");
+    virsh(&["save", DOM, saved.to_str().unwrap()])?;
+    assert_eq!(state(DOM), "shut off");
+    assert!(!vm_known(&acc)?, "acceld still serves the saved VM");
+    assert!(!run.join(DOM).exists(), "the VM's sockets are left");
+    virsh(&["restore", saved.to_str().unwrap()])?;
+    let mut serial = Serial::connect(&d.join("serial.sock"))?;
+    acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(60))?;
+    let w0 = stat(DOM, "wr_req")?;
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        stat(DOM, "wr_req")? > w0,
+        "the restored guest does not write"
+    );
+
+    // A libvirtd restart while the VM runs: libvirt reconnects to the proxy.
+    restart_libvirtd()?;
+    assert_eq!(state(DOM), "running");
+    let w0 = stat(DOM, "wr_req")?;
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(stat(DOM, "wr_req")? > w0);
+
+    // The guest checks everything it wrote, then powers off: libvirt ends the domain and
+    // acceld forgets it.
+    serial.stream.write_all(b"STOP\n")?;
+    let errors = serial.value("errors")?;
+    let kernel_errors = serial.value("kernel_errors")?;
+    let sectors = serial.value("sectors")?;
+    let md5 = serial.value("md5")?;
+    serial.wait_for("RESULT: PASS", Duration::from_secs(60))?;
+    assert_eq!((errors.as_str(), kernel_errors.as_str()), ("0", "0"));
+    assert_eq!(sectors, (80u64 << 20 >> 9).to_string());
+    wait_state(DOM, "shut off", Duration::from_secs(60))?;
+    assert_eq!(md5, host_md5(&img, 16 * 64 * 4096)?, "host data differs");
+    let t0 = Instant::now();
+    while vm_known(&acc)? {
+        if t0.elapsed() > Duration::from_secs(20) {
+            bail!("acceld still serves the VM after it shut off");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!run.join(DOM).exists(), "the VM's sockets are left");
+    Ok(())
+}
