@@ -1,8 +1,10 @@
 #!/bin/bash
 # Installs what accel's demo and tests need on a fresh Debian 12 machine (run as root):
 # QEMU 10 from bookworm-backports (reusing the mirror the machine already uses), busybox-static,
-# cpio and xz for the tiny guest, fio for benchmarks, g++ for libFuzzer (fuzz/), and a Python
-# venv with QEMU's own QMP client (qemu.qmp, for the QMP proxy tests). Idempotent.
+# cpio and xz for the tiny guest, fio for benchmarks, g++ for libFuzzer (fuzz/), a Python
+# venv with QEMU's own QMP client (qemu.qmp, for the QMP proxy tests), and libvirt 11.3 from
+# bookworm-backports with virtlogd and libvirtd started (integration/libvirt-up.sh, for the
+# libvirt test). Idempotent.
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then
   echo "setup.sh: run as root (it installs Debian packages)" >&2
@@ -25,6 +27,21 @@ if ! qemu-system-x86_64 --version 2>/dev/null | grep -q 'version 10'; then
   apt-get install -y -q -t bookworm-backports qemu-system-x86 qemu-utils
 fi
 apt-get install -y -q busybox-static cpio xz-utils fio g++ python3-venv >/dev/null
+if ! libvirtd --version 2>/dev/null | grep -q ' 11\.'; then
+  # Each package pinned to backports (`-t` would pull systemd and more from there too); no
+  # init script starts a daemon meanwhile (libvirt-up.sh does, after configuring it).
+  created=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+    chmod 755 /usr/sbin/policy-rc.d
+    created=1
+  fi
+  B=bookworm-backports
+  apt-get install -y -q --no-install-recommends libvirt-daemon/$B libvirt-daemon-driver-qemu/$B \
+    libvirt-clients/$B libvirt-daemon-common/$B >/dev/null
+  [ $created = 1 ] && rm -f /usr/sbin/policy-rc.d
+fi
+"$(dirname "$0")/libvirt-up.sh"
 venv="$(dirname "$0")/.venv"
 if ! "$venv/bin/python3" -c 'import qemu.qmp' 2>/dev/null; then
   python3 -m venv "$venv"
