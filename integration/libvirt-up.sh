@@ -20,4 +20,4 @@ for _ in $(seq 300); do
   virsh -c qemu:///system version >/dev/null 2>&1 && break
   sleep 0.2
 done
-virsh -c qemu:///system version | head -1
+virsh -c qemu:///system version | sed -n 3p

@@ -492,7 +492,6 @@ fn run(cli: &Cli) -> Result<(), Fail> {
                     drives: specs,
                     cont: *cont,
                     incoming: *incoming,
-                    monitor: None,
                 },
             )?;
             for s in v["sockets"].as_array().into_iter().flatten() {
@@ -638,7 +637,6 @@ fn migrate(cli: &Cli, m: &MigrateArgs) -> Result<(), Fail> {
             drives,
             cont: true,
             incoming: true,
-            monitor: None,
         },
     )
     .map_err(|e| step_err("register on the destination", e))?;

@@ -353,11 +353,6 @@ pub enum Request {
         /// completed.
         #[serde(default)]
         incoming: bool,
-        /// One more path where the VM's QMP proxy listens, beside `RUN_DIR/VM/monitor.sock`:
-        /// libvirt's monitor socket (the emulator wrapper passes it). A socket already there
-        /// is replaced; its owner and mode are kept.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        monitor: Option<PathBuf>,
     },
     Unregister {
         vm: String,
@@ -498,17 +493,6 @@ pub enum ClientError {
 
 /// Sends one request and waits for its reply (blocking; for accelctl and tests).
 pub fn call(socket: &Path, req: &Request, timeout: Duration) -> Result<Reply, ClientError> {
-    call_with_fd(socket, req, None, timeout)
-}
-
-/// Sends `fd` with the request's bytes (SCM_RIGHTS): `register` takes libvirt's listening
-/// monitor socket so.
-pub fn call_with_fd(
-    socket: &Path,
-    req: &Request,
-    fd: Option<std::os::fd::BorrowedFd<'_>>,
-    timeout: Duration,
-) -> Result<Reply, ClientError> {
     let s = UnixStream::connect(socket).map_err(|source| ClientError::Connect {
         path: socket.to_path_buf(),
         source,
@@ -517,62 +501,11 @@ pub fn call_with_fd(
     s.set_write_timeout(Some(timeout))?;
     let mut line = serde_json::to_string(req).expect("requests serialize");
     line.push('\n');
-    let mut rest = line.as_bytes();
-    if let Some(fd) = fd {
-        let n = send_with_fd(&s, rest, fd)?;
-        rest = &rest[n..];
-    }
-    (&s).write_all(rest)?;
+    (&s).write_all(line.as_bytes())?;
     let mut r = BufReader::new(&s);
     let mut reply = String::new();
     r.read_line(&mut reply)?;
     serde_json::from_str(&reply).map_err(|e| ClientError::Decode(format!("{e}: {reply}")))
-}
-
-/// One `sendmsg` of (a first part of) `bytes` with `fd` attached; returns the bytes sent.
-fn send_with_fd(
-    s: &UnixStream,
-    bytes: &[u8],
-    fd: std::os::fd::BorrowedFd<'_>,
-) -> std::io::Result<usize> {
-    use std::os::fd::AsRawFd;
-    const FD_SIZE: u32 = std::mem::size_of::<i32>() as u32;
-    let mut cmsg = [0u64; 4];
-    // SAFETY: CMSG_SPACE only computes a size from its argument.
-    let space = unsafe { libc::CMSG_SPACE(FD_SIZE) } as usize;
-    assert!(space <= std::mem::size_of_val(&cmsg));
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr().cast_mut().cast(),
-        iov_len: bytes.len(),
-    };
-    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cmsg.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: msg_control points at `cmsg`, large enough for one header (asserted above).
-    let hdr = unsafe { libc::CMSG_FIRSTHDR(&msg) };
-    assert!(!hdr.is_null());
-    // SAFETY: CMSG_LEN only computes a size.
-    let len = unsafe { libc::CMSG_LEN(FD_SIZE) };
-    let h = libc::cmsghdr {
-        cmsg_len: len as _,
-        cmsg_level: libc::SOL_SOCKET,
-        cmsg_type: libc::SCM_RIGHTS,
-    };
-    // SAFETY: `hdr` points into `cmsg` (CMSG_FIRSTHDR of a buffer of `space` bytes).
-    unsafe { std::ptr::write_unaligned(hdr, h) };
-    // SAFETY: the header is inside `cmsg`; its data (one i32) follows it within `space`.
-    let data = unsafe { libc::CMSG_DATA(hdr) }.cast::<i32>();
-    // SAFETY: `data` is in bounds of `cmsg` for one i32 (CMSG_SPACE(FD_SIZE) bytes).
-    unsafe { std::ptr::write_unaligned(data, fd.as_raw_fd()) };
-    // SAFETY: `msg` points at `iov` (over `bytes`, only read) and `cmsg`, alive for the call.
-    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(n as usize)
 }
 
 #[cfg(test)]

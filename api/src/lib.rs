@@ -3,6 +3,7 @@
 //! them links the daemon to speak to it.
 
 pub mod control;
+pub mod fdpass;
 pub mod status;
 
 /// An error and its sources on one line ("a: b: c"), as errors are printed at the top.

@@ -2,13 +2,14 @@
 //!
 //! libvirt runs it as it would run QEMU. Capability probes and VMs without a disk acceld can
 //! serve run the real QEMU unchanged. For a VM it registers the VM's eligible virtio-blk
-//! disks with acceld (their sockets are served before QEMU starts), passes libvirt's
-//! listening monitor socket to acceld's QMP proxy (libvirt talks to the proxy as to QEMU),
-//! rewrites the disks into vhost-user-blk-pci devices on acceld's sockets and gives QEMU a
+//! disks with acceld (their sockets are served before QEMU starts), leaves a relay between
+//! libvirt's listening monitor socket and acceld's QMP proxy (libvirt talks to the proxy as to
+//! QEMU, across acceld restarts: `libvirt/relay.rs`), rewrites the disks into vhost-user-blk-pci devices on acceld's sockets and gives QEMU a
 //! monitor of acceld's, then execs the real QEMU (same pid, same descriptors).
 //! Config: docs/libvirt.md (`accel-qemu.conf`).
 
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -16,6 +17,7 @@ use std::time::Duration;
 
 use accel_api::control::{self, ErrorKind, Request};
 use accelctl::libvirt::argv::{self, Monitor, Outcome, Plan};
+use accelctl::libvirt::relay::{self, Relay};
 use accelctl::libvirt::WrapperConf;
 
 /// Registration waits for acceld to open images and serve sockets.
@@ -48,7 +50,10 @@ fn main() -> ExitCode {
     };
     match argv::plan(&args, &conf.wrap_config()) {
         Outcome::Unchanged(_) => exec(&conf.qemu, &raw),
-        Outcome::Wrap(p) => match register(&conf, &p) {
+        Outcome::Wrap(p) => match monitor_listener(&p.monitor)
+            .and_then(|l| register(&conf, &p).map(|()| l))
+            .and_then(|l| spawn_relay(l, relay::proxy_socket(&conf.run_dir, &p.vm)))
+        {
             Ok(()) => {
                 for n in &p.notes {
                     eprintln!("accel-qemu: {n}");
@@ -64,28 +69,31 @@ fn main() -> ExitCode {
     }
 }
 
-/// Registers the VM with acceld, handing it libvirt's monitor socket.
-fn register(conf: &WrapperConf, p: &Plan) -> Result<(), String> {
-    let (listener, path) = match &p.monitor {
+/// libvirt's listening monitor socket: the one it passed (`fd=N`), or one the wrapper makes
+/// at the path QEMU was to listen on.
+fn monitor_listener(m: &Monitor) -> Result<UnixListener, String> {
+    match m {
         Monitor::Fd(n) => {
             if *n < 3 {
                 return Err(format!("monitor fd={n} is not a socket libvirt passed"));
             }
             // SAFETY: libvirt passed descriptor `n` for the monitor and nothing else in this
-            // process uses it; the wrapper owns it from here (closed before exec).
+            // process uses it; the wrapper owns it from here (the relay keeps it).
             let fd = unsafe { OwnedFd::from_raw_fd(*n) };
-            let l = std::os::unix::net::UnixListener::from(fd);
-            let path = l
-                .local_addr()
-                .ok()
-                .and_then(|a| a.as_pathname().map(Path::to_path_buf))
-                .ok_or_else(|| {
-                    format!("monitor fd={n} is not a listening unix socket with a path")
-                })?;
-            (Some(l), path)
+            let l = UnixListener::from(fd);
+            l.local_addr()
+                .map_err(|e| format!("monitor fd={n} is not a listening unix socket: {e}"))?;
+            Ok(l)
         }
-        Monitor::Path(path) => (None, path.clone()),
-    };
+        Monitor::Path(p) => {
+            let _ = std::fs::remove_file(p);
+            UnixListener::bind(p).map_err(|e| format!("cannot listen on {}: {e}", p.display()))
+        }
+    }
+}
+
+/// Registers the VM with acceld (its drives are served from here on).
+fn register(conf: &WrapperConf, p: &Plan) -> Result<(), String> {
     let sock = conf.run_dir.join("acceld.sock");
     let req = Request::Register {
         vm: p.vm.clone(),
@@ -93,17 +101,14 @@ fn register(conf: &WrapperConf, p: &Plan) -> Result<(), String> {
         drives: p.drives.clone(),
         cont: false,
         incoming: p.incoming,
-        monitor: Some(path),
     };
     let call = || {
-        control::call_with_fd(&sock, &req, listener.as_ref().map(|l| l.as_fd()), REGISTER).map_err(
-            |e| {
-                format!(
-                    "acceld is not reachable ({}): start acceld before this VM",
-                    accel_api::error_chain(&e)
-                )
-            },
-        )
+        control::call(&sock, &req, REGISTER).map_err(|e| {
+            format!(
+                "acceld is not reachable ({}): start acceld before this VM",
+                accel_api::error_chain(&e)
+            )
+        })
     };
     let mut r = call()?;
     if !r.ok && r.kind == Some(ErrorKind::Exists) {
@@ -139,7 +144,70 @@ fn register(conf: &WrapperConf, p: &Plan) -> Result<(), String> {
             ));
         }
     }
-    // The listening socket is acceld's now; QEMU must not inherit it.
-    drop(listener);
     Ok(())
+}
+
+/// Leaves the monitor relay running beside QEMU (a detached grandchild: no zombie, no
+/// inherited descriptor but the listener, stdio on /dev/null).
+fn spawn_relay(listener: UnixListener, proxy: PathBuf) -> Result<(), String> {
+    let qemu = std::process::id() as i32;
+    // SAFETY: the wrapper is single-threaded (no thread was started), so the child may run
+    // any code; fork has no memory-safety preconditions.
+    let child = unsafe { libc::fork() };
+    match child {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            // SAFETY: as above (the child is single-threaded too).
+            let grandchild = unsafe { libc::fork() };
+            if grandchild == 0 {
+                relay_process(listener, proxy, qemu);
+            }
+            // SAFETY: _exit ends the intermediate child at once (no destructors, no atexit).
+            unsafe { libc::_exit(0) }
+        }
+        pid => {
+            let mut status = 0;
+            // SAFETY: `pid` is this process's child; `status` is a valid out pointer.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            Ok(())
+        }
+    }
+}
+
+fn relay_process(listener: UnixListener, proxy: PathBuf, qemu: i32) -> ! {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setsid has no preconditions; it detaches from libvirt's session.
+    unsafe { libc::setsid() };
+    let keep = listener.as_raw_fd();
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    for fd in fds {
+        if fd > 2 && fd != keep {
+            // SAFETY: closing a descriptor this process inherited (libvirt's pipes, QEMU's
+            // descriptors) and does not use; the read_dir handle is closed already.
+            unsafe { libc::close(fd) };
+        }
+    }
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
+        for std_fd in 0..3 {
+            // SAFETY: dup2 onto stdio; `null` stays open until after the loop.
+            unsafe { libc::dup2(null.as_raw_fd(), std_fd) };
+        }
+    }
+    Relay {
+        listener,
+        proxy,
+        qemu,
+    }
+    .run();
+    // SAFETY: _exit ends the relay without running the wrapper's atexit handlers.
+    unsafe { libc::_exit(0) }
 }

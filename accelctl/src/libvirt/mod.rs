@@ -8,6 +8,7 @@ use thiserror::Error;
 
 pub mod argv;
 pub mod hook;
+pub mod relay;
 pub mod xml;
 
 /// Where the wrapper looks for its config when `ACCEL_QEMU_CONF` is not set and there is none

@@ -25,7 +25,7 @@ use tracing::{debug, info, warn};
 use crate::supervisor::Supervisor;
 use crate::util::LogLimit;
 
-pub(crate) mod fds;
+mod fds;
 mod hold;
 mod intercept;
 mod message;
@@ -63,32 +63,6 @@ pub enum ProxyError {
     },
 }
 
-/// Listens on `path`, replacing a socket there (libvirt's monitor socket, which the emulator
-/// wrapper took from QEMU's command line), with the old socket's owner and mode.
-fn bind_in_place(path: &std::path::Path) -> std::io::Result<UnixListener> {
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let old = std::fs::symlink_metadata(path).ok();
-    if let Some(m) = &old {
-        use std::os::unix::fs::FileTypeExt;
-        if !m.file_type().is_socket() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                "a file that is not a socket is in the way",
-            ));
-        }
-        std::fs::remove_file(path)?;
-    }
-    let l = UnixListener::bind(path)?;
-    match old {
-        Some(m) => {
-            std::os::unix::fs::chown(path, Some(m.uid()), Some(m.gid()))?;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(m.mode() & 0o7777))?;
-        }
-        None => std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?,
-    }
-    Ok(l)
-}
-
 /// Serves a VM's proxy socket until the VM is unregistered.
 pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
     let path = sup.monitor_socket(&vm);
@@ -102,53 +76,13 @@ pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
         let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
     }
     info!(vm = %vm, socket = %path.display(), "QMP proxy listening");
-    // libvirt's monitor socket, when the emulator wrapper registered one: the listening
-    // socket itself (libvirt connected before QEMU started), or after an acceld restart a
-    // new one at its path.
-    let extra = match (sup.take_monitor_fd(&vm), sup.vm_monitor(&vm)) {
-        (Some(fd), _) => {
-            let l = std::os::unix::net::UnixListener::from(fd);
-            let l = l
-                .set_nonblocking(true)
-                .and_then(|()| UnixListener::from_std(l));
-            Some(l.map_err(|source| ProxyError::Listen {
-                path: sup.vm_monitor(&vm).unwrap_or_default(),
-                source,
-            })?)
-        }
-        (None, Some(p)) => Some(bind_in_place(&p).map_err(|source| ProxyError::Listen {
-            path: p.clone(),
-            source,
-        })?),
-        (None, None) => None,
-    };
     let clients = Arc::new(AtomicU64::new(0));
     let log = Arc::new(LogLimit::default());
     let shared = Arc::new(Shared::default());
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
-        let second = async {
-            match &extra {
-                Some(l) => l.accept().await,
-                None => std::future::pending().await,
-            }
-        };
         tokio::select! {
             r = listener.accept() => match r {
-                Ok((stream, _)) => {
-                    let n = clients.fetch_add(1, Ordering::Relaxed);
-                    let ctx = intercept::Ctx { sup: sup.clone(), vm: vm.clone(), shared: shared.clone() };
-                    let l = log.clone();
-                    tokio::spawn(async move { client(ctx, n, stream, l).await });
-                }
-                Err(e) => {
-                    if let Some(n) = log.admit() {
-                        warn!(vm = %vm, "QMP proxy accept: {e}{}", crate::util::suppressed(n));
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            },
-            r = second => match r {
                 Ok((stream, _)) => {
                     let n = clients.fetch_add(1, Ordering::Relaxed);
                     let ctx = intercept::Ctx { sup: sup.clone(), vm: vm.clone(), shared: shared.clone() };

@@ -3,11 +3,7 @@
 
 use std::sync::Arc;
 
-use std::collections::VecDeque;
-use std::os::fd::OwnedFd;
-
-use tokio::io::AsyncWriteExt;
-use tokio::net::unix::OwnedReadHalf;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
 use crate::control::{ErrorKind, Reply, Request};
@@ -22,43 +18,21 @@ pub fn parse_request(line: &[u8]) -> Result<Request, Reply> {
         .map_err(|e| Reply::err(ErrorKind::Invalid, format!("bad request: {e}")))
 }
 
-/// Reads one request line (without the newline); descriptors sent with it (SCM_RIGHTS) go to
-/// `fds`. None at EOF; `Err(())` for a line longer than [`MAX_REQUEST`].
-async fn read_line(
-    r: &OwnedReadHalf,
-    buf: &mut Vec<u8>,
-    fds: &mut VecDeque<OwnedFd>,
-) -> Option<Result<Vec<u8>, ()>> {
-    let mut chunk = [0u8; 4096];
-    loop {
-        if let Some(i) = buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = buf.drain(..=i).collect();
-            return Some(if line.len() > MAX_REQUEST + 1 {
-                Err(())
-            } else {
-                Ok(line)
-            });
-        }
-        if buf.len() > MAX_REQUEST {
-            return Some(Err(()));
-        }
-        match crate::qmp_proxy::fds::read(r, &mut chunk, fds).await {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-}
-
 pub(super) async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>) {
     let (r, mut w) = stream.into_split();
-    let mut buf = Vec::new();
-    let mut fds = VecDeque::new();
+    let mut r = BufReader::new(r);
+    let mut line = Vec::new();
     loop {
-        let Some(line) = read_line(&r, &mut buf, &mut fds).await else {
-            return;
+        line.clear();
+        let n = match (&mut r)
+            .take(MAX_REQUEST as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .await
+        {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
         };
-        let too_long = line.is_err();
-        let line = line.unwrap_or_default();
+        let too_long = n > MAX_REQUEST;
         if line.iter().all(u8::is_ascii_whitespace) && !too_long {
             continue;
         }
@@ -69,13 +43,10 @@ pub(super) async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>) {
             )
         } else {
             match parse_request(&line) {
-                // libvirt's monitor socket comes with the emulator wrapper's registration.
-                Ok(req) => dispatch_with_fd(&sup, req, fds.pop_front()).await,
+                Ok(req) => dispatch(&sup, req).await,
                 Err(reply) => reply,
             }
         };
-        // A descriptor is only for the request it came with.
-        fds.clear();
         let mut out = serde_json::to_string(&reply).expect("replies serialize");
         out.push('\n');
         if w.write_all(out.as_bytes()).await.is_err() || too_long {
@@ -85,12 +56,6 @@ pub(super) async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>) {
 }
 
 pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
-    dispatch_with_fd(sup, req, None).await
-}
-
-/// A request and the descriptor that came with it (only `register` takes one: libvirt's
-/// listening monitor socket).
-async fn dispatch_with_fd(sup: &Arc<Supervisor>, req: Request, fd: Option<OwnedFd>) -> Reply {
     use policy::Pin;
     fn json<T: serde::Serialize>(r: Result<T, SupError>) -> Result<serde_json::Value, SupError> {
         r.map(|v| serde_json::to_value(v).expect("replies serialize"))
@@ -102,12 +67,10 @@ async fn dispatch_with_fd(sup: &Arc<Supervisor>, req: Request, fd: Option<OwnedF
             drives,
             cont,
             incoming,
-            monitor,
         } => {
             let s = sup.clone();
             json(tokio::task::block_in_place(move || {
-                let monitor = monitor.map(|path| crate::supervisor::MonitorSocket { path, fd });
-                s.register(vm, qmp, drives, cont, incoming, monitor)
+                s.register(vm, qmp, drives, cont, incoming)
             }))
         }
         Request::Unregister { vm } => json(sup.unregister(&vm).await),

@@ -55,7 +55,6 @@ mod vm;
 
 pub use drive_state::{ManagedDrive, Recorded};
 pub use persist::PersistError;
-pub use registry::MonitorSocket;
 pub use vm::Vm;
 
 /// `acceld run` settings (TOML; every field optional).
@@ -257,18 +256,6 @@ impl Supervisor {
     }
 
     /// Where a VM's QMP proxy listens: `RUN_DIR/VM/monitor.sock`.
-    /// libvirt's listening monitor socket as the emulator wrapper passed it (once).
-    pub fn take_monitor_fd(&self, name: &str) -> Option<std::os::fd::OwnedFd> {
-        self.vm(name)
-            .ok()
-            .and_then(|v| crate::util::lock(&v.monitor_fd).take())
-    }
-
-    /// The VM's second proxy socket (libvirt's monitor), if it was registered with one.
-    pub fn vm_monitor(&self, name: &str) -> Option<std::path::PathBuf> {
-        self.vm(name).ok().and_then(|v| v.monitor.clone())
-    }
-
     pub fn monitor_socket(&self, name: &str) -> std::path::PathBuf {
         self.cfg.run_dir.join(name).join("monitor.sock")
     }

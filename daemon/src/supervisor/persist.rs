@@ -46,9 +46,6 @@ pub struct SavedVm {
     /// acceld turned QEMU's pause-before-switchover on (so it is acceld's to continue).
     #[serde(default)]
     pub pause_owned: bool,
-    /// The proxy's second socket (libvirt's monitor).
-    #[serde(default)]
-    pub monitor: Option<std::path::PathBuf>,
     pub drives: Vec<SavedDrive>,
 }
 

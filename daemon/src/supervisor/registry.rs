@@ -45,15 +45,6 @@ pub struct AttachState {
     pub attaching: Option<bool>,
 }
 
-/// libvirt's monitor socket for a VM's QMP proxy: its path, and the listening socket itself
-/// when the emulator wrapper passed it (libvirt connected before QEMU started). After an
-/// acceld restart only the path is known: the proxy listens there anew.
-#[derive(Debug)]
-pub struct MonitorSocket {
-    pub path: PathBuf,
-    pub fd: Option<std::os::fd::OwnedFd>,
-}
-
 impl Supervisor {
     /// Registers again every VM of the state file (after a restart). Drives that were direct
     /// are served directly at once; the others wait for the re-attach.
@@ -62,14 +53,7 @@ impl Supervisor {
         let n = st.vms.len();
         for vm in st.vms {
             let name = vm.name.clone();
-            match self.register_inner(
-                vm.name,
-                vm.qmp,
-                vm.cont,
-                vm.incoming,
-                vm.monitor.map(|path| MonitorSocket { path, fd: None }),
-                vm.drives,
-            ) {
+            match self.register_inner(vm.name, vm.qmp, vm.cont, vm.incoming, vm.drives) {
                 Ok(v) if vm.pause_owned => {
                     *lock(&v.pause_owner) = super::migration::PauseOwner::Restored;
                 }
@@ -87,7 +71,6 @@ impl Supervisor {
         drives: Vec<DriveSpec>,
         cont: bool,
         incoming: bool,
-        monitor: Option<MonitorSocket>,
     ) -> Result<Registered, SupError> {
         check_id("VM name", &vm).map_err(|e| SupError::Invalid(e.0))?;
         if drives.is_empty() {
@@ -105,16 +88,8 @@ impl Supervisor {
                 qmp.display()
             )));
         }
-        if let Some(m) = &monitor {
-            if !m.path.is_absolute() {
-                return Err(SupError::Invalid(format!(
-                    "monitor socket {} is not an absolute path",
-                    m.path.display()
-                )));
-            }
-        }
         let saved = drives.into_iter().map(SavedDrive::new).collect();
-        let vmr = self.register_inner(vm, qmp, cont, incoming, monitor, saved)?;
+        let vmr = self.register_inner(vm, qmp, cont, incoming, saved)?;
         self.save();
         Ok(Registered {
             vm: vmr.name.clone(),
@@ -128,7 +103,6 @@ impl Supervisor {
         qmp: PathBuf,
         cont: bool,
         incoming: bool,
-        monitor: Option<MonitorSocket>,
         drives: Vec<SavedDrive>,
     ) -> Result<Arc<Vm>, SupError> {
         if lock(&self.vms).contains_key(&name) {
@@ -151,12 +125,7 @@ impl Supervisor {
             }
         }
         info!(vm = %name, drives = slots.len(), "registered");
-        let (path, fd) = match monitor {
-            Some(m) => (Some(m.path), m.fd),
-            None => (None, None),
-        };
-        let vm = Arc::new(Vm::new(name, qmp, cont, incoming, path, dir, slots));
-        *lock(&vm.monitor_fd) = fd;
+        let vm = Arc::new(Vm::new(name, qmp, cont, incoming, dir, slots));
         lock(&self.vms).insert(vm.name.clone(), vm.clone());
         self.spawn_vm_task(&vm);
         if let Some(h) = lock(&self.register_hook).as_ref() {

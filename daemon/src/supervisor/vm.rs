@@ -23,10 +23,6 @@ use crate::util::{lock, suppressed, LogLimit};
 pub struct Vm {
     pub name: String,
     pub qmp_path: PathBuf,
-    /// Where the QMP proxy listens besides `RUN_DIR/VM/monitor.sock` (libvirt's monitor).
-    pub monitor: Option<PathBuf>,
-    /// libvirt's listening monitor socket, until the proxy takes it.
-    pub monitor_fd: Mutex<Option<std::os::fd::OwnedFd>>,
     pub cont: bool,
     /// Registered as a migration's destination (`--incoming`).
     pub incoming: bool,
@@ -54,15 +50,12 @@ impl Vm {
         qmp_path: PathBuf,
         cont: bool,
         incoming: bool,
-        monitor: Option<PathBuf>,
         dir: PathBuf,
         drives: BTreeMap<String, Arc<ManagedDrive>>,
     ) -> Self {
         Vm {
             name,
             qmp_path,
-            monitor,
-            monitor_fd: Mutex::new(None),
             cont,
             incoming,
             dir,
@@ -116,7 +109,6 @@ impl Vm {
             qmp: self.qmp_path.clone(),
             cont: self.cont,
             incoming: self.incoming,
-            monitor: self.monitor.clone(),
             pause_owned: *lock(&self.pause_owner) == super::migration::PauseOwner::Acceld(true),
             drives: self
                 .drives
