@@ -36,13 +36,16 @@ impl Supervisor {
             a.push(format!(
                 "driver=file,filename={},node-name={}-file,cache.direct={direct},discard={}{ro}",
                 s.image.display(),
-                s.id,
+                s.node_name(),
                 s.discard
             ));
             a.push("-blockdev".into());
             a.push(format!(
                 "driver={},file={}-file,node-name={},cache.direct={direct},discard={}{ro}",
-                s.format, s.id, s.id, s.discard
+                s.format,
+                s.node_name(),
+                s.node_name(),
+                s.discard
             ));
             a.push("-chardev".into());
             a.push(format!(
