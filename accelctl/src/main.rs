@@ -361,7 +361,8 @@ fn libvirt(cli: &Cli, cmd: &LibvirtCmd) -> Result<(), Fail> {
             } else {
                 WrapperConf::default()
             };
-            let input = hook::read_stdin().unwrap_or_default();
+            let input = hook::read_stdin()
+                .map_err(|e| Fail::Remote(ErrorKind::Invalid, format!("accel hook: stdin: {e}")))?;
             let r = hook::run(&c, args, &input);
             print!("{}", r.stdout);
             for n in &r.notes {

@@ -348,3 +348,53 @@ fn convert_refuses_what_is_not_a_domain() {
         "no devices"
     );
 }
+
+#[test]
+fn queues_follow_the_vcpus_when_libvirt_gives_none() {
+    // QEMU gives virtio-blk-pci one queue per vCPU by default; the vhost-user-blk device
+    // gets as many, explicitly.
+    let mut a = fixture("libvirt-11.3-start.args");
+    for x in a.iter_mut() {
+        if x == "1,sockets=1,cores=1,threads=1" {
+            *x = "4,sockets=1,cores=4,threads=1".into();
+        }
+    }
+    let p = wrap(&a);
+    assert_eq!(p.drives[0].queues, 4);
+    let dev: Value =
+        serde_json::from_str(value_after(&p.args, "-device", |v| v.contains("vhost-user"))[0])
+            .unwrap();
+    assert_eq!(dev["num-queues"], 4);
+}
+
+#[test]
+fn command_lines_the_wrapper_cannot_read_run_unchanged() {
+    // An unknown flag in front of an option: the structure is unclear.
+    let mut a = fixture("libvirt-11.3-start.args");
+    let i = a.iter().position(|x| x == "-smp").unwrap();
+    a.insert(i, "-some-new-flag".into());
+    assert!(matches!(plan(&a, &cfg()), Outcome::Unchanged(_)));
+    // Guest memory from -mem-path, or no memory backend: not shared.
+    let mut a = fixture("libvirt-11.3-start.args");
+    a.extend(["-mem-path".into(), "/dev/hugepages".into()]);
+    assert!(matches!(plan(&a, &cfg()), Outcome::Unchanged(_)));
+    let a: Vec<String> = fixture("libvirt-11.3-start.args")
+        .into_iter()
+        .map(|x| x.replace(",memory-backend=pc.ram", ""))
+        .collect();
+    assert!(matches!(plan(&a, &cfg()), Outcome::Unchanged(_)));
+}
+
+#[test]
+fn convert_fills_an_empty_emulator_and_refuses_a_cut_domain() {
+    let d = DOMAIN.replace(
+        "<emulator>/usr/bin/qemu-system-x86_64</emulator>",
+        "<emulator/>",
+    );
+    let (out, _) = convert(&d, "/usr/bin/accel-qemu").unwrap();
+    assert_eq!(out.matches("<emulator>").count(), 1, "{out}");
+    assert!(out.contains("<emulator>/usr/bin/accel-qemu</emulator>"));
+    let cut = &DOMAIN[..DOMAIN.find("</devices>").unwrap()];
+    assert!(convert(cut, "/x").is_err());
+    assert!(facts(cut).is_err());
+}

@@ -80,9 +80,24 @@ fn monitor_listener(m: &Monitor) -> Result<UnixListener, String> {
             // SAFETY: libvirt passed descriptor `n` for the monitor and nothing else in this
             // process uses it; the wrapper owns it from here (the relay keeps it).
             let fd = unsafe { OwnedFd::from_raw_fd(*n) };
+            let mut on: libc::c_int = 0;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: getsockopt writes at most `len` bytes into `on`, which has that size.
+            let r = unsafe {
+                libc::getsockopt(
+                    *n,
+                    libc::SOL_SOCKET,
+                    libc::SO_ACCEPTCONN,
+                    (&raw mut on).cast(),
+                    &raw mut len,
+                )
+            };
+            if r != 0 || on == 0 {
+                return Err(format!("monitor fd={n} is not a listening socket"));
+            }
             let l = UnixListener::from(fd);
             l.local_addr()
-                .map_err(|e| format!("monitor fd={n} is not a listening unix socket: {e}"))?;
+                .map_err(|e| format!("monitor fd={n} is not a unix socket: {e}"))?;
             Ok(l)
         }
         Monitor::Path(p) => {
@@ -112,8 +127,24 @@ fn register(conf: &WrapperConf, p: &Plan) -> Result<(), String> {
     };
     let mut r = call()?;
     if !r.ok && r.kind == Some(ErrorKind::Exists) {
-        // A registration left from a VM of this name that is gone (libvirt runs one QEMU
-        // per domain): replace it.
+        // A registration left from a VM of this name whose QEMU is gone (libvirt runs one
+        // QEMU per domain; a lost `release` leaves one): replace it, unless acceld is
+        // attached to a QEMU of that name.
+        let attached = control::call(&sock, &Request::Status, REGISTER)
+            .ok()
+            .and_then(|r| r.result)
+            .is_some_and(|st| {
+                st["vms"].as_array().is_some_and(|v| {
+                    v.iter()
+                        .any(|x| x["vm"] == p.vm.as_str() && x["attached"] == true)
+                })
+            });
+        if attached {
+            return Err(format!(
+                "acceld serves a running VM named {} already (its QEMU is attached)",
+                p.vm
+            ));
+        }
         let _ = control::call(&sock, &Request::Unregister { vm: p.vm.clone() }, REGISTER);
         r = call()?;
     }
@@ -150,7 +181,9 @@ fn register(conf: &WrapperConf, p: &Plan) -> Result<(), String> {
 /// Leaves the monitor relay running beside QEMU (a detached grandchild: no zombie, no
 /// inherited descriptor but the listener, stdio on /dev/null).
 fn spawn_relay(listener: UnixListener, proxy: PathBuf) -> Result<(), String> {
-    let qemu = std::process::id() as i32;
+    // This process becomes QEMU: the relay watches it through a pidfd opened now.
+    let qemu = relay::Process::open(std::process::id() as i32)
+        .map_err(|e| format!("pidfd_open: {e} (Linux 5.3 or later is needed)"))?;
     // SAFETY: the wrapper is single-threaded (no thread was started), so the child may run
     // any code; fork has no memory-safety preconditions.
     let child = unsafe { libc::fork() };
@@ -162,23 +195,27 @@ fn spawn_relay(listener: UnixListener, proxy: PathBuf) -> Result<(), String> {
             if grandchild == 0 {
                 relay_process(listener, proxy, qemu);
             }
+            let code = if grandchild < 0 { 1 } else { 0 };
             // SAFETY: _exit ends the intermediate child at once (no destructors, no atexit).
-            unsafe { libc::_exit(0) }
+            unsafe { libc::_exit(code) }
         }
         pid => {
             let mut status = 0;
             // SAFETY: `pid` is this process's child; `status` is a valid out pointer.
-            unsafe { libc::waitpid(pid, &mut status, 0) };
+            let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+            if r != pid || !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+                return Err("cannot start the monitor relay (fork failed)".into());
+            }
             Ok(())
         }
     }
 }
 
-fn relay_process(listener: UnixListener, proxy: PathBuf, qemu: i32) -> ! {
+fn relay_process(listener: UnixListener, proxy: PathBuf, qemu: relay::Process) -> ! {
     use std::os::fd::AsRawFd;
     // SAFETY: setsid has no preconditions; it detaches from libvirt's session.
     unsafe { libc::setsid() };
-    let keep = listener.as_raw_fd();
+    let keep = [listener.as_raw_fd(), qemu.as_raw_fd()];
     let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
         .map(|d| {
             d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
@@ -186,7 +223,7 @@ fn relay_process(listener: UnixListener, proxy: PathBuf, qemu: i32) -> ! {
         })
         .unwrap_or_default();
     for fd in fds {
-        if fd > 2 && fd != keep {
+        if fd > 2 && !keep.contains(&fd) {
             // SAFETY: closing a descriptor this process inherited (libvirt's pipes, QEMU's
             // descriptors) and does not use; the read_dir handle is closed already.
             unsafe { libc::close(fd) };

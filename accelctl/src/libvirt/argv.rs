@@ -38,6 +38,42 @@ const FLAGS: &[&str] = &[
     "-old-param",
     "-win2k-hack",
     "-no-fd-bootchk",
+    "-async-teardown",
+    "-mem-prealloc",
+    "-usb",
+    "-enable-fips",
+    "-nodefconfig",
+    "-no-kvm-pit-reinjection",
+    "-perfmap",
+    "-jitdump",
+    "-xen-attach",
+    "-alt-grab",
+    "-ctrl-grab",
+    "-no-quit",
+    "-singlestep",
+    "-no-frame",
+];
+
+/// Options whose argument is never itself an option: seeing one there means the command line
+/// has a flag the wrapper does not know, and it is not rewritten.
+const WITH_VALUE: &[&str] = &[
+    "-name",
+    "-object",
+    "-device",
+    "-blockdev",
+    "-chardev",
+    "-machine",
+    "-m",
+    "-smp",
+    "-mon",
+    "-numa",
+    "-incoming",
+    "-uuid",
+    "-cpu",
+    "-accel",
+    "-mem-path",
+    "-drive",
+    "-netdev",
 ];
 
 /// `-device` properties of virtio-blk-pci that vhost-user-blk-pci has too, kept as they are.
@@ -166,13 +202,26 @@ struct Arg {
     value: Option<String>,
 }
 
-fn parse_args(args: &[String]) -> Vec<Arg> {
+/// The options, or None when an option's argument is an option itself (a flag the wrapper
+/// does not know: it cannot tell the command line's structure).
+fn parse_args(args: &[String]) -> Option<Vec<Arg>> {
     let mut out = Vec::new();
     let mut i = 0;
     while i < args.len() {
         let a = &args[i];
-        let norm = if a.starts_with("--") { &a[1..] } else { a };
+        let norm = a
+            .strip_prefix('-')
+            .filter(|r| r.starts_with('-'))
+            .unwrap_or(a);
         if norm.starts_with('-') && !FLAGS.contains(&norm) && i + 1 < args.len() {
+            let next = &args[i + 1];
+            let next_norm = next
+                .strip_prefix('-')
+                .filter(|r| r.starts_with('-'))
+                .unwrap_or(next);
+            if FLAGS.contains(&next_norm) || WITH_VALUE.contains(&next_norm) {
+                return None;
+            }
             out.push(Arg {
                 name: norm.to_string(),
                 value: Some(args[i + 1].clone()),
@@ -186,7 +235,7 @@ fn parse_args(args: &[String]) -> Vec<Arg> {
             i += 1;
         }
     }
-    out
+    Some(out)
 }
 
 /// The protocol node a drive's image is on, and what acceld needs of the chain.
@@ -263,6 +312,7 @@ fn policy(v: &Value, key: &str) -> Result<Option<ErrorPolicy>, String> {
 fn convert_device(
     dev: &Map<String, Value>,
     nodes: &BTreeMap<String, Value>,
+    cpus: u64,
 ) -> Result<(DriveSpec, Map<String, Value>), String> {
     let dv = Value::Object(dev.clone());
     let id = dev
@@ -285,8 +335,10 @@ fn convert_device(
         .and_then(Value::as_str)
         .ok_or("it has no drive")?;
     let c = chain(nodes, node)?;
+    // Without num-queues QEMU gives a virtio-blk-pci device one queue per vCPU; the
+    // vhost-user-blk device gets as many, explicitly (acceld serves what it is told).
     let queues = match dev.get("num-queues") {
-        None => 1,
+        None => cpus.clamp(1, 64) as u16,
         Some(q) => q
             .as_u64()
             .filter(|q| (1..=64).contains(q))
@@ -336,6 +388,7 @@ fn convert_device(
             out.insert(k.clone(), v.clone());
         }
     }
+    out.insert("num-queues".into(), json!(queues));
     Ok((spec, out))
 }
 
@@ -385,7 +438,9 @@ fn share_memory(o: &mut Map<String, Value>, notes: &mut Vec<String>) -> bool {
 
 /// Decides what to run for libvirt's command line `args` (argv without argv[0]).
 pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
-    let parsed = parse_args(args);
+    let Some(parsed) = parse_args(args) else {
+        return Outcome::Unchanged("an option the wrapper does not know takes no argument".into());
+    };
     let value = |name: &str| {
         parsed
             .iter()
@@ -449,6 +504,53 @@ pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
         ));
     };
     let incoming = value("-incoming").is_some();
+    let cpus = value("-smp")
+        .map(split_opts)
+        .and_then(|p| {
+            opt(&p, "cpus")
+                .or_else(|| p.first().map(String::as_str).filter(|f| !f.contains('=')))
+                .and_then(|n| n.parse::<u64>().ok())
+        })
+        .unwrap_or(1);
+    if value("-mem-path").is_some() {
+        return Outcome::Unchanged("-mem-path: guest memory is not shared".into());
+    }
+    // Guest memory must be a backend the wrapper can see and share: the machine's
+    // memory-backend (and every NUMA node's memdev) a JSON -object.
+    let mut backends: Vec<String> = value("-machine")
+        .map(split_opts)
+        .and_then(|p| opt(&p, "memory-backend").map(str::to_string))
+        .into_iter()
+        .collect();
+    for a in parsed.iter().filter(|a| a.name == "-numa") {
+        if let Some(m) = a
+            .value
+            .as_deref()
+            .map(split_opts)
+            .and_then(|p| opt(&p, "memdev").map(str::to_string))
+        {
+            backends.push(m);
+        }
+    }
+    if backends.is_empty() {
+        return Outcome::Unchanged("no memory-backend: guest memory is not shared".into());
+    }
+    let json_objects: Vec<Value> = parsed
+        .iter()
+        .filter(|a| a.name == "-object")
+        .filter_map(|a| {
+            a.value
+                .as_deref()
+                .and_then(|v| serde_json::from_str(v).ok())
+        })
+        .collect();
+    if let Some(b) = backends.iter().find(|b| {
+        !json_objects
+            .iter()
+            .any(|o| o["id"].as_str() == Some(b.as_str()))
+    }) {
+        return Outcome::Unchanged(format!("memory backend {b} is not a JSON -object"));
+    }
     let mut notes = Vec::new();
     // Memory first: without shared memory no disk can be accelerated.
     let mut out: Vec<String> = Vec::with_capacity(args.len() + 8);
@@ -484,7 +586,7 @@ pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
                         .and_then(Value::as_str)
                         .unwrap_or("?")
                         .to_string();
-                    match convert_device(&d, &nodes) {
+                    match convert_device(&d, &nodes, cpus) {
                         Err(why) => notes.push(format!("{id}: stays a virtio-blk-pci device: {why}")),
                         Ok(_) if !shared => notes.push(format!(
                             "{id}: stays a virtio-blk-pci device: guest memory is a file backend without share=on"

@@ -150,9 +150,15 @@ pub fn run(conf: &WrapperConf, args: &[String], input: &str) -> HookResult {
     res
 }
 
-/// Reads the XML from stdin (bounded).
+/// Reads the XML from stdin (bounded: more than 16 MiB is an error, never a cut XML).
 pub fn read_stdin() -> std::io::Result<String> {
     let mut s = String::new();
-    std::io::stdin().take(MAX_XML).read_to_string(&mut s)?;
+    std::io::stdin().take(MAX_XML + 1).read_to_string(&mut s)?;
+    if s.len() as u64 > MAX_XML {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("the domain XML is longer than {MAX_XML} bytes"),
+        ));
+    }
     Ok(s)
 }

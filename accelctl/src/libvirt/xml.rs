@@ -62,6 +62,12 @@ pub fn facts(xml: &str) -> Result<DomainFacts, XmlError> {
                     _ => {}
                 }
             }
+            Event::Eof if !path.is_empty() => {
+                return Err(XmlError::Parse(format!(
+                    "<{}> is not closed",
+                    path.join("/")
+                )))
+            }
             Event::Eof => break,
             _ => {}
         }
@@ -139,6 +145,14 @@ pub fn convert(xml: &str, emulator: &str) -> Result<(String, Vec<String>), XmlEr
                     saw_memory_backing = true;
                     continue;
                 }
+                if path.iter().map(String::as_str).eq(["domain", "devices"]) && n == "emulator" {
+                    saw_emulator = true;
+                    write_emulator(&mut w, emulator)?;
+                    changes.push(format!(
+                        "<emulator>: empty -> {emulator} (accel's wrapper runs QEMU)"
+                    ));
+                    continue;
+                }
                 write(&mut w, Event::Empty(e))?;
             }
             Event::End(e) => {
@@ -151,6 +165,12 @@ pub fn convert(xml: &str, emulator: &str) -> Result<(String, Vec<String>), XmlEr
                 }
                 path.pop();
                 write(&mut w, Event::End(e))?;
+            }
+            Event::Eof if !path.is_empty() => {
+                return Err(XmlError::Parse(format!(
+                    "<{}> is not closed",
+                    path.join("/")
+                )))
             }
             Event::Eof => break,
             other => write(&mut w, other)?,
