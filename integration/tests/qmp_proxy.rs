@@ -166,7 +166,6 @@ async def main():
     await q.connect(sys.argv[1])
     assert (await q.execute("query-status"))["status"] == "prelaunch"
     print("resize:", await q.execute("block_resize", {"node-name": "d0", "size": 48 << 20}))
-    await q.execute("cont")
     await q.disconnect()
 asyncio.run(main())
 "#;
@@ -180,6 +179,36 @@ asyncio.run(main())
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr),
             acc.log_text()
+        );
+    }
+    // `cont`: QEMU sends RESUME before its reply, and so must the proxy (libvirt's restore
+    // relies on the same order for `migrate-incoming` and its MIGRATION event).
+    {
+        use std::io::{BufRead, BufReader, Write};
+        let s = std::os::unix::net::UnixStream::connect(&proxy)?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        let mut r = BufReader::new(s.try_clone()?);
+        let mut line = String::new();
+        r.read_line(&mut line)?;
+        (&s).write_all(b"{\"execute\": \"qmp_capabilities\", \"id\": 1}\r\n")?;
+        line.clear();
+        r.read_line(&mut line)?;
+        (&s).write_all(b"{\"execute\": \"cont\", \"id\": 2}\r\n")?;
+        let mut seen = Vec::new();
+        loop {
+            line.clear();
+            if r.read_line(&mut line)? == 0 {
+                bail!("the proxy closed; seen {seen:?}");
+            }
+            let v: serde_json::Value = serde_json::from_str(&line)?;
+            if v["id"] == 2 {
+                break;
+            }
+            seen.push(v["event"].as_str().unwrap_or("").to_string());
+        }
+        assert!(
+            seen.iter().any(|e| e == "RESUME"),
+            "RESUME after cont's reply: {seen:?}"
         );
     }
     let out = vm.guest.wait_exit(Duration::from_secs(180))?;

@@ -15,6 +15,8 @@ pkg="$stage/accel"
 install -D -m 755 target/release/acceld "$pkg/usr/bin/acceld"
 install -D -m 755 target/release/accelctl "$pkg/usr/bin/accelctl"
 install -D -m 755 target/release/accel-qemu "$pkg/usr/bin/accel-qemu"
+# The release profile keeps line tables for backtraces; the package ships stripped binaries.
+strip --strip-debug "$pkg/usr/bin/acceld" "$pkg/usr/bin/accelctl" "$pkg/usr/bin/accel-qemu"
 install -D -m 644 packaging/deb/acceld.service "$pkg/lib/systemd/system/acceld.service"
 install -D -m 644 packaging/deb/acceld.toml "$pkg/etc/accel/acceld.toml"
 for f in README.md docs/libvirt.md docs/operator-guide.md docs/qmp-proxy.md docs/migration.md; do

@@ -99,6 +99,8 @@ pub struct Event {
     pub data: Value,
     /// (seconds, microseconds) as QEMU stamped it.
     pub timestamp: (i64, i64),
+    /// Its place among this connection's events: 1, 2, … (0 before dispatch).
+    pub seq: u64,
 }
 
 /// A typed QMP command: its name, its arguments (the struct itself) and its reply type.
@@ -335,6 +337,8 @@ struct Inner {
     pending: Mutex<HashMap<u64, (String, oneshot::Sender<Reply>)>>,
     next_id: AtomicU64,
     events: broadcast::Sender<Event>,
+    /// Events dispatched so far (the last one's `seq`).
+    events_sent: AtomicU64,
     closed: AtomicBool,
     close_reason: Mutex<Option<String>>,
     timeout: Mutex<Duration>,
@@ -361,6 +365,7 @@ impl Qmp {
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             events,
+            events_sent: AtomicU64::new(0),
             closed: AtomicBool::new(false),
             close_reason: Mutex::new(None),
             timeout: Mutex::new(Duration::from_secs(30)),
@@ -405,6 +410,13 @@ impl Qmp {
     /// The timeout of every later command (default 30 s).
     pub fn set_timeout(&self, t: Duration) {
         *lock(&self.inner.timeout) = t;
+    }
+
+    /// How many events QEMU sent so far on this connection. Read after a reply arrived, it
+    /// covers every event QEMU sent before that reply (QEMU's order on the wire): a relay
+    /// that must keep that order passes events up to here on before the reply.
+    pub fn events_sent(&self) -> u64 {
+        self.inner.events_sent.load(Ordering::Acquire)
     }
 
     pub fn is_closed(&self) -> bool {
@@ -527,9 +539,12 @@ async fn reader_task(mut r: BufReader<OwnedReadHalf>, inner: Arc<Inner>) {
 
 fn dispatch(inner: &Inner, v: Value) {
     match wire::classify(v) {
-        wire::Message::Event(ev) => {
+        wire::Message::Event(mut ev) => {
+            ev.seq = inner.events_sent.load(Ordering::Relaxed) + 1;
             // No subscriber is fine: nobody asked for events.
             let _ = inner.events.send(ev);
+            // After the send: a reader of the count finds every event up to it broadcast.
+            inner.events_sent.fetch_add(1, Ordering::Release);
         }
         wire::Message::Reply { id, result } => {
             let Some((command, tx)) = lock(&inner.pending).remove(&id) else {

@@ -60,6 +60,7 @@ pub fn classify(v: Value) -> Message {
                 ts["seconds"].as_i64().unwrap_or(0),
                 ts["microseconds"].as_i64().unwrap_or(0),
             ),
+            seq: 0,
         });
     }
     let Some(id) = v.get("id").and_then(Value::as_u64) else {

@@ -178,21 +178,24 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
     debug!(vm = %vm, client = n, "QMP proxy client connected");
     let negotiated = Arc::new(AtomicBool::new(false));
     let oob_on = Arc::new(AtomicBool::new(false));
+    let handled: Handled = Arc::new(AtomicU64::new(0));
     let events = {
-        let (sup, vm, w, neg, log) = (
+        let (sup, vm, w, neg, log, h) = (
             sup.clone(),
             vm.clone(),
             w.clone(),
             negotiated.clone(),
             log.clone(),
+            handled.clone(),
         );
-        tokio::spawn(async move { forward_events(sup, vm, w, neg, log).await })
+        tokio::spawn(async move { forward_events(sup, vm, w, neg, log, h).await })
     };
     // In-band commands run one at a time, in order, in the worker; exec-oob ones at once.
     let (tx, rx) = tokio::sync::mpsc::channel::<Inband>(INBAND_QUEUE);
     let worker = {
         let st = ClientState {
             names: fds::Names::new(n),
+            handled: handled.clone(),
             negotiated: negotiated.clone(),
             oob_offered,
             oob_on: oob_on.clone(),
@@ -292,6 +295,7 @@ async fn inband(
             Inband::Message(v, fd) => handle(&ctx, &mut st, v, fd).await,
         };
         if let (Some(r), true) = (reply, writable) {
+            events_before_reply(&ctx, &st.handled).await;
             writable = send(&w, &r).await;
         }
     }
@@ -328,6 +332,8 @@ async fn run_oob(ctx: &intercept::Ctx, req: Request) -> Value {
 /// What the proxy keeps per client besides its socket.
 struct ClientState {
     names: fds::Names,
+    /// The client's event forwarder's progress (replies keep QEMU's order with events).
+    handled: Handled,
     negotiated: Arc<AtomicBool>,
     /// The greeting offered oob, and the client enabled it.
     oob_offered: bool,
@@ -461,12 +467,32 @@ pub(crate) async fn forward(
     upstream(ctx, name, args, Via::InBand).await
 }
 
+/// Events this client's forwarder has passed on (or skipped), by `Event::seq`: a reply waits
+/// for the events QEMU sent before it (QEMU's order; libvirt's `migrate-incoming` relies on
+/// its MIGRATION `setup` event arriving before the reply).
+type Handled = Arc<AtomicU64>;
+
+/// Longest a reply waits for the events before it.
+const EVENT_ORDER_WAIT: Duration = Duration::from_millis(200);
+
+async fn events_before_reply(ctx: &intercept::Ctx, handled: &Handled) {
+    let Ok(qmp) = ctx.sup.vm_qmp(&ctx.vm) else {
+        return;
+    };
+    let mark = qmp.events_sent();
+    let t0 = std::time::Instant::now();
+    while handled.load(Ordering::Acquire) < mark && t0.elapsed() < EVENT_ORDER_WAIT {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 async fn forward_events(
     sup: Arc<Supervisor>,
     vm: String,
     w: Writer,
     negotiated: Arc<AtomicBool>,
     log: Arc<LogLimit>,
+    handled: Handled,
 ) {
     loop {
         // The connection to QEMU can be replaced (acceld re-attached): follow the current one.
@@ -478,46 +504,61 @@ async fn forward_events(
             continue;
         };
         let mut rx = qmp.events();
+        // Events before the subscription are not this client's to wait for.
+        handled.store(qmp.events_sent(), Ordering::Release);
         loop {
             match rx.recv().await {
                 Ok(ev) => {
-                    if !negotiated.load(Ordering::Acquire) || own_event(&ev) {
-                        continue;
-                    }
-                    if ev.name == "MIGRATION" && ev.data["status"] == "pre-switchover" {
-                        if !sup.management_owns_pause(&vm) {
-                            // acceld's own pause: management did not ask for it, and acceld
-                            // continues the migration itself.
-                            continue;
-                        }
-                        // Management continues the migration when it sees this: acceld's
-                        // part (its exports off the nodes) must be done first.
-                        if !sup
-                            .pre_switchover_done(&vm, ev.timestamp, Duration::from_secs(30))
-                            .await
-                        {
-                            if let Some(k) = log.admit() {
-                                warn!(vm = %vm, "pre-switchover: acceld's part did not finish in 30 s; passing the event on{}", crate::util::suppressed(k));
-                            }
-                        }
-                    }
-                    let v = json!({"event": ev.name, "data": ev.data,
-                        "timestamp": {"seconds": ev.timestamp.0, "microseconds": ev.timestamp.1}});
-                    let v = if v["data"].is_null() {
-                        let mut v = v;
-                        v.as_object_mut().expect("object").remove("data");
-                        v
-                    } else {
-                        v
-                    };
-                    if !send(&w, &v).await {
+                    let seq = ev.seq;
+                    let open = forward_one(&sup, &vm, &w, &negotiated, &log, ev).await;
+                    handled.fetch_max(seq, Ordering::Release);
+                    if !open {
                         return;
                     }
                 }
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                    handled.fetch_max(qmp.events_sent(), Ordering::Release);
+                }
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Passes one event on (unless it is acceld's own); false when the client is gone.
+async fn forward_one(
+    sup: &Supervisor,
+    vm: &str,
+    w: &Writer,
+    negotiated: &AtomicBool,
+    log: &LogLimit,
+    ev: qmp_client::Event,
+) -> bool {
+    if !negotiated.load(Ordering::Acquire) || own_event(&ev) {
+        return true;
+    }
+    if ev.name == "MIGRATION" && ev.data["status"] == "pre-switchover" {
+        if !sup.management_owns_pause(vm) {
+            // acceld's own pause: management did not ask for it, and acceld continues the
+            // migration itself.
+            return true;
+        }
+        // Management continues the migration when it sees this: acceld's part (its
+        // exports off the nodes) must be done first.
+        if !sup
+            .pre_switchover_done(vm, ev.timestamp, Duration::from_secs(30))
+            .await
+        {
+            if let Some(k) = log.admit() {
+                warn!(vm = %vm, "pre-switchover: acceld's part did not finish in 30 s; passing the event on{}", crate::util::suppressed(k));
+            }
+        }
+    }
+    let mut v = json!({"event": ev.name, "data": ev.data,
+        "timestamp": {"seconds": ev.timestamp.0, "microseconds": ev.timestamp.1}});
+    if v["data"].is_null() {
+        v.as_object_mut().expect("object").remove("data");
+    }
+    send(w, &v).await
 }
