@@ -2,7 +2,8 @@
 //! `accelctl libvirt convert`, run through the emulator wrapper (`accel-qemu`) and the hook,
 //! with 16 verifying writers in the guest throughout. Every virsh command a host operator
 //! uses on the disk: start, domblklist, dumpxml, domblkstat, domblkinfo, blkdeviotune,
-//! snapshot-create-as --disk-only, blockcommit --active --pivot, blockresize, save, restore,
+//! snapshot-create-as --disk-only, blockcommit --active --pivot, blockresize, domblkthreshold,
+//! save, restore,
 //! a libvirtd restart, an acceld restart, the guest's own poweroff. CI starts virtlogd and libvirtd (`.ci/run`);
 //! `ACCEL_LIBVIRT_TESTS=0` leaves the test out on a machine without them.
 
@@ -388,6 +389,24 @@ fn virsh_manages_an_accelerated_domain() -> Result<()> {
         info.contains(&format!("Capacity:       {}", 80u64 << 20)),
         "{info}"
     );
+    acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(30))?;
+
+    // domblkthreshold: QEMU's block layer raises the event, so the drive stays there while
+    // the threshold is armed; disarmed, direct again.
+    virsh(&["domblkthreshold", DOM, "vda", "70M"])?;
+    let dr = acc
+        .wait_engine(DOM, DRIVE, "qemu", Duration::from_secs(30))
+        .and(acc.drive(DOM, DRIVE))?;
+    assert!(
+        dr["reasons"].to_string().contains("write-threshold"),
+        "{dr}"
+    );
+    let st = virsh(&["domstats", DOM, "--block"])?;
+    assert!(
+        st.contains(&format!("block.0.threshold={}", 70u64 << 20)),
+        "{st}"
+    );
+    virsh(&["domblkthreshold", DOM, "vda", "0"])?;
     acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(30))?;
 
     // save: QEMU ends, acceld forgets the VM; restore: served again (QEMU -incoming).

@@ -29,6 +29,8 @@ pub struct NodeView {
     pub cache_no_flush: bool,
     pub cache_writeback: bool,
     pub dirty_bitmaps: usize,
+    /// `block-set-write-threshold` armed on the node (bytes; 0: none).
+    pub write_threshold: u64,
     /// False after `blockdev-set-active false` or on a migration target before it takes over.
     pub active: bool,
     /// Legacy I/O limits on the node (`-drive throttling.*`): any non-zero limit.
@@ -130,6 +132,8 @@ pub enum Reason {
     Filter(String),
     BlockJob(String),
     DirtyBitmap,
+    /// A write threshold is armed (only QEMU raises its event).
+    WriteThreshold,
     Encryption,
     DetectZeroes(String),
     /// Legacy I/O limits on the node.
@@ -245,6 +249,7 @@ impl Reason {
             Reason::Filter(f) => format!("filter:{f}"),
             Reason::BlockJob(j) => format!("block-job:{j}"),
             Reason::DirtyBitmap => "dirty-bitmap".into(),
+            Reason::WriteThreshold => "write-threshold".into(),
             Reason::Encryption => "encryption".into(),
             Reason::DetectZeroes(_) => "detect-zeroes".into(),
             Reason::Throttle => "throttle".into(),
@@ -274,6 +279,9 @@ impl Reason {
             Reason::Filter(f) => format!("a {f} filter sits on the drive's node"),
             Reason::BlockJob(j) => format!("a {j} block job is using the drive"),
             Reason::DirtyBitmap => "the node has dirty bitmaps that only QEMU maintains".into(),
+            Reason::WriteThreshold => {
+                "a write threshold is set on the node; only QEMU raises its event".into()
+            }
             Reason::Encryption => "the image is encrypted".into(),
             Reason::DetectZeroes(m) => {
                 format!("detect-zeroes={m} is set, which acceld does not do")
@@ -442,6 +450,9 @@ fn node_rules(n: &NodeView, r: &mut Vec<Reason>) {
     }
     if n.dirty_bitmaps > 0 {
         r.push(Reason::DirtyBitmap);
+    }
+    if n.write_threshold > 0 {
+        r.push(Reason::WriteThreshold);
     }
     if n.encrypted {
         r.push(Reason::Encryption);

@@ -68,6 +68,7 @@ pub fn parse_nodes(v: &Value) -> Result<Vec<NodeView>, ParseError> {
                 cache_direct: n["cache"]["direct"].as_bool().unwrap_or(false),
                 cache_no_flush: n["cache"]["no-flush"].as_bool().unwrap_or(false),
                 cache_writeback: n["cache"]["writeback"].as_bool().unwrap_or(true),
+                write_threshold: n["write_threshold"].as_u64().unwrap_or(0),
                 dirty_bitmaps: n["dirty-bitmaps"]
                     .as_array()
                     .map_or(0, |b| b.iter().filter(|m| !temporary_bitmap(m)).count()),

@@ -140,6 +140,9 @@ fn one_case_per_reason() {
         ("dirty-bitmap", |v| {
             v.node.as_mut().unwrap().dirty_bitmaps = 1
         }),
+        ("write-threshold", |v| {
+            v.node.as_mut().unwrap().write_threshold = 50 << 20
+        }),
         ("encryption", |v| v.node.as_mut().unwrap().encrypted = true),
         ("detect-zeroes", |v| {
             v.node.as_mut().unwrap().detect_zeroes = "unmap".into()
