@@ -40,9 +40,9 @@ cat > $W/$1.xml <<X
 X
 truncate -s 64M $W/$1.raw
 }
-mk plain 01; mk accel 02
-$A libvirt convert $W/accel.xml --emulator $W/bin/accel-qemu > $W/accel-conv.xml 2>/dev/null
-virsh define $W/plain.xml >/dev/null; virsh define $W/accel-conv.xml >/dev/null
+mk lvcmp-plain 01; mk lvcmp-accel 02
+$A libvirt convert $W/lvcmp-accel.xml --emulator $W/bin/accel-qemu > $W/accel-conv.xml 2>/dev/null
+virsh define $W/lvcmp-plain.xml >/dev/null; virsh define $W/accel-conv.xml >/dev/null
 run() { # dom
   d=$1; o=$W/$d.out; : > $o
   virsh start $d >/dev/null; sleep 12
@@ -52,9 +52,9 @@ run() { # dom
     sleep 1
   done
 }
-run plain; run accel
-virsh undefine plain --managed-save >/dev/null; virsh undefine accel --managed-save >/dev/null
+run lvcmp-plain; run lvcmp-accel
+virsh undefine lvcmp-plain --managed-save >/dev/null; virsh undefine lvcmp-accel --managed-save >/dev/null
 $A libvirt uninstall --conf $W/bin/accel-qemu.conf 2>/dev/null
 pkill -TERM -f "acceld run --run-dir $W/run"
-sed -e 's/plain/DOM/g' $W/plain.out > $W/p.norm; sed -e 's/accel/DOM/g' $W/accel.out > $W/a.norm
+sed -e 's/lvcmp-plain/DOM/g' $W/lvcmp-plain.out > $W/p.norm; sed -e 's/lvcmp-accel/DOM/g' $W/lvcmp-accel.out > $W/a.norm
 diff $W/p.norm $W/a.norm > $W/diff.txt; echo "diff lines: $(wc -l < $W/diff.txt)"
