@@ -126,6 +126,18 @@ impl Serial {
     }
 }
 
+/// `virsh blkdeviotune DOM vda --total-iops-sec N --live` (0 clears the limit).
+fn iotune(iops: u64) -> Result<String> {
+    virsh(&[
+        "blkdeviotune",
+        DOM,
+        "vda",
+        "--total-iops-sec",
+        &iops.to_string(),
+        "--live",
+    ])
+}
+
 fn stat(dom: &str, key: &str) -> Result<u64> {
     let out = virsh(&["domblkstat", dom, "vda"])?;
     out.lines()
@@ -329,14 +341,7 @@ fn virsh_manages_an_accelerated_domain() -> Result<()> {
     let free_rate = (ops(DOM)? - o0) as f64 / t0.elapsed().as_secs_f64();
 
     // blkdeviotune: QEMU's block layer with the limit; cleared: direct again.
-    virsh(&[
-        "blkdeviotune",
-        DOM,
-        "vda",
-        "--total-iops-sec",
-        "10",
-        "--live",
-    ])?;
+    iotune(10)?;
     let dr = acc.drive(DOM, DRIVE)?;
     assert_eq!(dr["engine"], "qemu", "{dr}");
     assert!(dr["reasons"].to_string().contains("throttle"), "{dr}");
@@ -352,14 +357,7 @@ fn virsh_manages_an_accelerated_domain() -> Result<()> {
         limited <= 10.0 * 1.3,
         "the limit does not hold: {limited:.1} ops/s"
     );
-    virsh(&[
-        "blkdeviotune",
-        DOM,
-        "vda",
-        "--total-iops-sec",
-        "0",
-        "--live",
-    ])?;
+    iotune(0)?;
     acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(30))?;
 
     // A disk-only snapshot: the overlay is QEMU's; an active commit with pivot: direct again.
@@ -443,23 +441,9 @@ fn virsh_manages_an_accelerated_domain() -> Result<()> {
         stat(DOM, "wr_req")? > w0,
         "no stats or no writes after an acceld restart"
     );
-    virsh(&[
-        "blkdeviotune",
-        DOM,
-        "vda",
-        "--total-iops-sec",
-        "500",
-        "--live",
-    ])?;
+    iotune(500)?;
     assert_eq!(acc.drive(DOM, DRIVE)?["engine"], "qemu");
-    virsh(&[
-        "blkdeviotune",
-        DOM,
-        "vda",
-        "--total-iops-sec",
-        "0",
-        "--live",
-    ])?;
+    iotune(0)?;
     acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(30))?;
 
     // The guest checks everything it wrote, then powers off: libvirt ends the domain and

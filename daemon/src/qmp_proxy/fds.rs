@@ -5,16 +5,13 @@
 //! (`fdname`, `fd`, `str`, `fd:N`, `/dev/fdname/N`) and restores it in QEMU's errors.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use serde_json::{Map, Value};
 use tokio::net::unix::OwnedReadHalf;
 
 /// Received descriptors not yet claimed; more are closed (QEMU keeps only the last read's).
 pub const MAX_PENDING: usize = 16;
-
-/// Most descriptors one `recvmsg` takes.
-const MAX_PER_READ: usize = 8;
 
 /// Reads bytes and any descriptors sent with them.
 pub async fn read(
@@ -42,54 +39,7 @@ pub async fn read(
 }
 
 fn recv(sock: i32, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
-    const FD_SIZE: u32 = std::mem::size_of::<i32>() as u32;
-    let mut cmsg = [0u64; 16];
-    // SAFETY: CMSG_SPACE only computes a size from its argument.
-    let space = unsafe { libc::CMSG_SPACE(FD_SIZE * MAX_PER_READ as u32) } as usize;
-    assert!(space <= std::mem::size_of_val(&cmsg));
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cmsg.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: `msg` points at `iov` (over `buf`) and `cmsg`, both alive for the call.
-    let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let mut fds = Vec::new();
-    // SAFETY: `msg` was filled by recvmsg; CMSG_FIRSTHDR reads its control fields.
-    let mut hdr = unsafe { libc::CMSG_FIRSTHDR(&msg) };
-    while !hdr.is_null() {
-        // SAFETY: a non-null header from CMSG_FIRSTHDR/NXTHDR lies inside `cmsg`.
-        let h = unsafe { std::ptr::read_unaligned(hdr) };
-        if h.cmsg_level == libc::SOL_SOCKET && h.cmsg_type == libc::SCM_RIGHTS {
-            // SAFETY: CMSG_LEN only computes a size.
-            let head = unsafe { libc::CMSG_LEN(0) } as usize;
-            let count = (h.cmsg_len as usize).saturating_sub(head) / FD_SIZE as usize;
-            // SAFETY: the header is inside `cmsg`; its data follows it there.
-            let data = unsafe { libc::CMSG_DATA(hdr) }.cast::<i32>();
-            for i in 0..count {
-                // SAFETY: `count` descriptors follow the header, inside `cmsg` (the kernel
-                // wrote them within msg_controllen): the i-th is in bounds.
-                let at = unsafe { data.add(i) };
-                // SAFETY: `at` points at an i32 inside `cmsg`; no alignment needed.
-                let fd = unsafe { std::ptr::read_unaligned(at) };
-                if fd >= 0 {
-                    // SAFETY: the kernel just gave this descriptor to us; nothing else owns it.
-                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
-                }
-            }
-        }
-        // SAFETY: `hdr` is a header of `msg` (above).
-        hdr = unsafe { libc::CMSG_NXTHDR(&msg, hdr) };
-    }
-    Ok((n as usize, fds))
+    accel_api::fdpass::recv(sock, buf)
 }
 
 /// A client's fd names and their names in QEMU.
