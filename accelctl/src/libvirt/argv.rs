@@ -471,9 +471,13 @@ pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
     let Some(mon_chardev) = mon_chardev else {
         return Outcome::Unchanged("no QMP monitor (-mon …,mode=control) to proxy".into());
     };
+    // One pass over the options: the block nodes, the monitor's chardev (and where it is),
+    // the JSON objects (by position).
     let mut monitor = None;
+    let mut monitor_at = None;
     let mut nodes = BTreeMap::new();
-    for a in &parsed {
+    let mut objects: Vec<Option<Map<String, Value>>> = vec![None; parsed.len()];
+    for (i, a) in parsed.iter().enumerate() {
         let Some(v) = a.value.as_deref() else {
             continue;
         };
@@ -488,11 +492,17 @@ pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
             "-chardev" => {
                 let p = split_opts(v);
                 if p[0] == "socket" && opt(&p, "id") == Some(mon_chardev.as_str()) {
+                    monitor_at = Some(i);
                     monitor = match (opt(&p, "fd").and_then(|f| f.parse().ok()), opt(&p, "path")) {
                         (Some(fd), _) => Some(Monitor::Fd(fd)),
                         (None, Some(path)) => Some(Monitor::Path(PathBuf::from(path))),
                         _ => None,
                     };
+                }
+            }
+            "-object" => {
+                if let Ok(Value::Object(o)) = serde_json::from_str(v) {
+                    objects[i] = Some(o);
                 }
             }
             _ => {}
@@ -535,19 +545,11 @@ pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
     if backends.is_empty() {
         return Outcome::Unchanged("no memory-backend: guest memory is not shared".into());
     }
-    let json_objects: Vec<Value> = parsed
-        .iter()
-        .filter(|a| a.name == "-object")
-        .filter_map(|a| {
-            a.value
-                .as_deref()
-                .and_then(|v| serde_json::from_str(v).ok())
-        })
-        .collect();
     if let Some(b) = backends.iter().find(|b| {
-        !json_objects
+        !objects
             .iter()
-            .any(|o| o["id"].as_str() == Some(b.as_str()))
+            .flatten()
+            .any(|o| o.get("id").and_then(Value::as_str) == Some(b.as_str()))
     }) {
         return Outcome::Unchanged(format!("memory backend {b} is not a JSON -object"));
     }
@@ -556,24 +558,21 @@ pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
     let mut out: Vec<String> = Vec::with_capacity(args.len() + 8);
     let mut shared = true;
     let mut has_iothread = false;
-    let mut objects = Vec::new();
-    for a in &parsed {
-        if a.name == "-object" {
-            if let Some(Ok(Value::Object(mut o))) = a.value.as_deref().map(serde_json::from_str) {
-                let before = o.clone();
-                shared &= share_memory(&mut o, &mut notes);
-                if o.get("qom-type") == Some(&json!("iothread"))
-                    && o.get("id").and_then(Value::as_str) == Some(cfg.iothread.as_str())
-                {
-                    has_iothread = true;
-                }
-                // Only what changed is written anew (libvirt's own text otherwise).
-                objects.push((o != before).then_some(Value::Object(o)));
-                continue;
+    // Only what changed is written anew (libvirt's own text otherwise).
+    let changed: Vec<Option<Value>> = objects
+        .into_iter()
+        .map(|o| {
+            let mut o = o?;
+            let before = o.clone();
+            shared &= share_memory(&mut o, &mut notes);
+            if o.get("qom-type") == Some(&json!("iothread"))
+                && o.get("id").and_then(Value::as_str) == Some(cfg.iothread.as_str())
+            {
+                has_iothread = true;
             }
-        }
-        objects.push(None);
-    }
+            (o != before).then_some(Value::Object(o))
+        })
+        .collect();
     let mut drives = Vec::new();
     let mut devices = Vec::new();
     for a in &parsed {
@@ -613,9 +612,9 @@ pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
     let qmp = qmp_socket(cfg, &vm);
     for (i, a) in parsed.iter().enumerate() {
         match (a.name.as_str(), &a.value) {
-            ("-object", Some(_)) if objects[i].is_some() => {
+            (_, Some(_)) if changed[i].is_some() => {
                 out.push(a.name.clone());
-                out.push(objects[i].as_ref().expect("checked").to_string());
+                out.push(changed[i].as_ref().expect("checked").to_string());
             }
             ("-device", Some(_)) if devices[i].is_some() => {
                 let dev = devices[i].as_ref().expect("checked");
@@ -629,10 +628,7 @@ pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
                 out.push(a.name.clone());
                 out.push(dev.to_string());
             }
-            ("-chardev", Some(v))
-                if split_opts(v).first().is_some_and(|t| t == "socket")
-                    && opt(&split_opts(v), "id") == Some(mon_chardev.as_str()) =>
-            {
+            (_, Some(_)) if monitor_at == Some(i) => {
                 out.push(a.name.clone());
                 out.push(format!(
                     "socket,id={mon_chardev},path={},server=on,wait=off",
