@@ -109,7 +109,7 @@ fn monitor_listener(m: &Monitor) -> Result<UnixListener, String> {
 
 /// Registers the VM with acceld (its drives are served from here on).
 fn register(conf: &WrapperConf, p: &Plan) -> Result<(), String> {
-    let sock = conf.run_dir.join("acceld.sock");
+    let sock = conf.control_socket();
     let req = Request::Register {
         vm: p.vm.clone(),
         qmp: p.qmp.clone(),
@@ -130,16 +130,7 @@ fn register(conf: &WrapperConf, p: &Plan) -> Result<(), String> {
         // A registration left from a VM of this name whose QEMU is gone (libvirt runs one
         // QEMU per domain; a lost `release` leaves one): replace it, unless acceld is
         // attached to a QEMU of that name.
-        let attached = control::call(&sock, &Request::Status, REGISTER)
-            .ok()
-            .and_then(|r| r.result)
-            .is_some_and(|st| {
-                st["vms"].as_array().is_some_and(|v| {
-                    v.iter()
-                        .any(|x| x["vm"] == p.vm.as_str() && x["attached"] == true)
-                })
-            });
-        if attached {
+        if conf.vm_status(&p.vm, REGISTER).is_some_and(|v| v.attached) {
             return Err(format!(
                 "acceld serves a running VM named {} already (its QEMU is attached)",
                 p.vm

@@ -55,7 +55,7 @@ fn start_acceld(conf: &WrapperConf, bin: &Path) -> Result<(), String> {
         .spawn()
         .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
     drop(child);
-    let sock = conf.run_dir.join("acceld.sock");
+    let sock = conf.control_socket();
     let t0 = Instant::now();
     while t0.elapsed() < START_WAIT {
         if reachable(&sock) {
@@ -96,7 +96,7 @@ pub fn run(conf: &WrapperConf, args: &[String], input: &str) -> HookResult {
         ));
         return res;
     };
-    let sock = conf.run_dir.join("acceld.sock");
+    let sock = conf.control_socket();
     match op {
         "prepare" => {
             if reachable(&sock) {
@@ -128,22 +128,12 @@ pub fn run(conf: &WrapperConf, args: &[String], input: &str) -> HookResult {
                 accel_api::error_chain(&e)
             )),
         },
-        "reconnect" => {
-            let known = control::call(&sock, &Request::Status, CALL)
-                .ok()
-                .and_then(|r| r.result)
-                .is_some_and(|s| {
-                    s["vms"]
-                        .as_array()
-                        .is_some_and(|v| v.iter().any(|x| x["vm"] == vm.as_str()))
-                });
-            if !known {
-                res.notes.push(format!(
-                    "accel hook: libvirt reconnects to {}, which acceld does not serve (is acceld running at {}?)",
-                    facts.name,
-                    conf.run_dir.display()
-                ));
-            }
+        "reconnect" if conf.vm_status(&vm, CALL).is_none() => {
+            res.notes.push(format!(
+                "accel hook: libvirt reconnects to {}, which acceld does not serve (is acceld running at {}?)",
+                facts.name,
+                conf.run_dir.display()
+            ));
         }
         _ => {}
     }

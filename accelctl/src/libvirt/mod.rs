@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use accel_api::status::{Status, VmStatus};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -107,6 +108,23 @@ impl WrapperConf {
             s += &format!("acceld = {:?}\n", a.display().to_string());
         }
         s
+    }
+
+    /// acceld's control socket.
+    pub fn control_socket(&self) -> PathBuf {
+        self.run_dir.join("acceld.sock")
+    }
+
+    /// acceld's status of the VM, if acceld answers and has it.
+    pub fn vm_status(&self, vm: &str, timeout: std::time::Duration) -> Option<VmStatus> {
+        let r = accel_api::control::call(
+            &self.control_socket(),
+            &accel_api::control::Request::Status,
+            timeout,
+        )
+        .ok()?;
+        let st: Status = serde_json::from_value(r.result?).ok()?;
+        st.vms.into_iter().find(|v| v.vm == vm)
     }
 
     pub fn wrap_config(&self) -> argv::WrapConfig {

@@ -67,29 +67,24 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         .map(|n| n.errors.load(Ordering::Relaxed))
         .unwrap_or(0);
     let nbd_last = st.nbd.as_ref().and_then(|n| lock(&n.last_error).clone());
+    // The node's layers: its driver and its file node, as QEMU showed them last, or as
+    // recorded before their removal (after a restart, before any look at QEMU); else the VM
+    // contract's raw node over `NODE-file`.
+    let layers = |n: &policy::NodeView, p: Option<&policy::NodeView>| {
+        (n.driver.clone(), p.map(|p| p.name.clone()))
+    };
     let (device, data_node, recorded) = {
         let g = lock(&d.graph);
-        let rec = g.recorded.as_ref().map(|r| {
-            (
-                r.node.driver.clone(),
-                r.protocol.as_ref().map(|p| p.name.clone()),
-            )
-        });
+        let rec = g
+            .recorded
+            .as_ref()
+            .map(|r| layers(&r.node, r.protocol.as_ref()));
         (g.device.clone(), g.data_node.clone(), rec)
     };
-    // The node's layers as QEMU showed them last (or as recorded before their removal);
-    // before any look at QEMU, the VM contract's raw node over `NODE-file`.
     let (node_driver, file_node) = lock(&d.observed)
         .last_view
         .as_ref()
-        .and_then(|v| {
-            v.node.as_ref().map(|n| {
-                (
-                    n.driver.clone(),
-                    v.protocol.as_ref().map(|p| p.name.clone()),
-                )
-            })
-        })
+        .and_then(|v| v.node.as_ref().map(|n| layers(n, v.protocol.as_ref())))
         .or(recorded)
         .unwrap_or_else(|| (d.spec.format.clone(), Some(format!("{}-file", d.node()))));
     DriveStatus {
