@@ -875,7 +875,18 @@ impl BlkFrontend {
         if on {
             f |= VHOST_F_LOG_ALL;
         }
-        self.fe.set_features(f).map_err(proto("SET_FEATURES"))
+        self.fe.set_features(f).map_err(proto("SET_FEATURES"))?;
+        // QEMU waits for the back-end to log before it goes on (vhost_user_set_features: a
+        // reply, or a GET_FEATURES round trip without REPLY_ACK); without it a kick on the
+        // eventfd can overtake the message on the socket. QEMU does not wait when logging
+        // ends; the frontend does, so that what is marked afterwards is well defined.
+        self.sync()
+    }
+
+    /// A GET_FEATURES round trip: every message sent before it has been handled.
+    fn sync(&mut self) -> Result<(), FrontendError> {
+        self.fe.get_features().map_err(proto("GET_FEATURES"))?;
+        Ok(())
     }
 
     /// SET_VRING_ADDR of ring `q` with the same addresses and VHOST_VRING_F_LOG on or off;
@@ -896,7 +907,12 @@ impl BlkFrontend {
                     log_addr: on.then_some(dq.used),
                 },
             )
-            .map_err(proto("SET_VRING_ADDR"))
+            .map_err(proto("SET_VRING_ADDR"))?;
+        if on {
+            // QEMU's vhost_user_set_vring_addr waits for a reply when F_LOG is set.
+            self.sync()?;
+        }
+        Ok(())
     }
 
     /// Guest address and length of ring `q`'s used ring (with avail_event).
