@@ -26,7 +26,8 @@ pub struct CompareOpts {
     pub runs: usize,
     #[arg(long, default_value_t = 3.0)]
     pub seconds: f64,
-    #[arg(long, value_delimiter = ',', default_value = "1,32,128")]
+    /// Queue depths (default 1,32,128; with --qemu-engine 1,32).
+    #[arg(long, value_delimiter = ',')]
     pub depths: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     pub queues: Vec<usize>,
@@ -44,6 +45,12 @@ pub struct CompareOpts {
     /// Extra arguments for `acceld serve`, e.g. `--acceld-arg=--io=io_uring`.
     #[arg(long = "acceld-arg", allow_hyphen_values = true)]
     pub acceld_args: Vec<String>,
+    /// Compare the qemu engine instead: QEMU's own vhost-user-blk export of a node against
+    /// acceld's qemu engine on an NBD export of the same node of the same
+    /// qemu-storage-daemon (the serving side, acceld and QEMU together, on the server CPU),
+    /// with acceld's direct engine on the file in the same run. Default depths: 1,32.
+    #[arg(long)]
+    pub qemu_engine: bool,
 }
 
 /// One measurement.
@@ -142,7 +149,7 @@ fn fio(o: &CompareOpts, engine: &str, rw: &str, depth: usize, jobs: usize) -> Re
 fn client(
     o: &CompareOpts,
     sock: &Path,
-    pid: u32,
+    pids: &[u32],
     rw: &str,
     depth: usize,
     queues: usize,
@@ -157,7 +164,13 @@ fn client(
         .arg(format!("--depth={depth}"))
         .arg(format!("--queues={queues}"))
         .arg(format!("--duration={}", o.seconds))
-        .arg(format!("--server-pid={pid}"))
+        .arg(format!(
+            "--server-pid={}",
+            pids.iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        ))
         .output()
         .context("running accel-bench")?;
     if !out.status.success() {
@@ -197,14 +210,23 @@ fn qsd(o: &CompareOpts, sock: &Path, queues: usize) -> Result<Qsd> {
 }
 
 fn acceld(o: &CompareOpts, sock: &Path, queues: usize) -> Result<Kill> {
+    acceld_on(
+        o,
+        sock,
+        queues,
+        &["--image".into(), o.image.display().to_string()],
+    )
+}
+
+/// `acceld serve` on the server CPU with `what` (an image, or an NBD export).
+fn acceld_on(o: &CompareOpts, sock: &Path, queues: usize, what: &[String]) -> Result<Kill> {
     let _ = std::fs::remove_file(sock);
     let c = Command::new("taskset")
         .arg("-c")
         .arg(o.server_cpu.to_string())
         .arg(acceld_bin()?)
         .arg("serve")
-        .arg("--image")
-        .arg(&o.image)
+        .args(what)
         .arg("--socket")
         .arg(sock)
         .arg(format!("--queues={queues}"))
@@ -238,8 +260,159 @@ struct Cell {
     acc: Vec<Sample>,
 }
 
+/// One qemu-storage-daemon on the server CPU serving one node (file, `cache.direct=on`,
+/// `aio=io_uring`, raw) in an iothread twice: QEMU's own vhost-user-blk export on `vu`, and
+/// an NBD export named `disk0` on `nbd` (what the VM's QEMU gives the qemu engine).
+fn qsd_both(o: &CompareOpts, vu: &Path, nbd: &Path, queues: usize) -> Result<Kill> {
+    let _ = std::fs::remove_file(vu);
+    let _ = std::fs::remove_file(nbd);
+    let c = Command::new("taskset")
+        .arg("-c")
+        .arg(o.server_cpu.to_string())
+        .arg("qemu-storage-daemon")
+        .args(["--object", "iothread,id=io0"])
+        .arg("--blockdev")
+        .arg(format!(
+            "driver=file,node-name=file0,filename={},cache.direct=on,aio=io_uring",
+            o.image.display()
+        ))
+        .args(["--blockdev", "driver=raw,node-name=disk0,file=file0"])
+        .arg("--export")
+        .arg(format!(
+            "type=vhost-user-blk,id=vu0,node-name=disk0,iothread=io0,addr.type=unix,addr.path={},writable=on,num-queues={queues}",
+            vu.display()
+        ))
+        .arg("--nbd-server")
+        .arg(format!("addr.type=unix,addr.path={}", nbd.display()))
+        .args([
+            "--export",
+            "type=nbd,id=nbd0,node-name=disk0,name=disk0,writable=on,iothread=io0",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("qemu-storage-daemon (integration/setup.sh)")?;
+    let k = Kill(c);
+    wait_socket(vu, Duration::from_secs(10))?;
+    wait_socket(nbd, Duration::from_secs(10))?;
+    Ok(k)
+}
+
+struct EngineCell {
+    name: String,
+    export: Vec<Sample>,
+    qemu: Vec<Sample>,
+    direct: Vec<Sample>,
+}
+
+/// `compare --qemu-engine`.
+fn compare_qemu_engine(o: &CompareOpts) -> Result<()> {
+    let dir = tempfile::Builder::new().prefix("accel-compare").tempdir()?;
+    let (vu, nbd, sock) = (
+        dir.path().join("vu.sock"),
+        dir.path().join("nbd.sock"),
+        dir.path().join("acceld.sock"),
+    );
+    let depths = if o.depths.is_empty() {
+        vec![1, 32]
+    } else {
+        o.depths.clone()
+    };
+    let mut cells = Vec::new();
+    for rw in &o.workloads {
+        for &q in &o.queues {
+            for &d in &depths {
+                let mut c = EngineCell {
+                    name: format!("{rw} QD{d} q{q}"),
+                    export: vec![],
+                    qemu: vec![],
+                    direct: vec![],
+                };
+                for _ in 0..o.runs {
+                    {
+                        let qsd = qsd_both(o, &vu, &nbd, q)?;
+                        let qpid = qsd.0.id();
+                        c.export.push(client(o, &vu, &[qpid], rw, d, q)?);
+                        let what = [
+                            "--nbd-socket".to_string(),
+                            nbd.display().to_string(),
+                            "--nbd-export".into(),
+                            "disk0".into(),
+                        ];
+                        let a = acceld_on(o, &sock, q, &what)?;
+                        c.qemu.push(client(o, &sock, &[a.0.id(), qpid], rw, d, q)?);
+                    }
+                    let a = acceld(o, &sock, q)?;
+                    c.direct.push(client(o, &sock, &[a.0.id()], rw, d, q)?);
+                }
+                eprintln!("done: {}", c.name);
+                cells.push(c);
+            }
+        }
+    }
+    println!(
+        "median of {} runs x {:.0} s, 4 KiB, {} MiB file {}; serving side (qemu-storage-daemon, acceld, or both) on CPU {}, client on CPU {}; acceld {}; (spread = (max-min)/median)\n",
+        o.runs,
+        o.seconds,
+        o.size_mib,
+        o.image.display(),
+        o.server_cpu,
+        o.client_cpu,
+        if o.acceld_args.is_empty() {
+            "with default options".to_string()
+        } else {
+            o.acceld_args.join(" ")
+        }
+    );
+    println!("| cell | QEMU export IOPS | qemu engine IOPS | qemu engine / export | direct IOPS | p99 µs export / qemu engine / direct | IOPS per CPU-s export / qemu engine / direct | qemu engine / export per CPU |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for c in &cells {
+        let col = |v: &[Sample], f: fn(&Sample) -> f64| {
+            let mut x: Vec<f64> = v.iter().map(f).collect();
+            median(&mut x)
+        };
+        let (ei, eis) = col(&c.export, |s| s.iops);
+        let (qi, qis) = col(&c.qemu, |s| s.iops);
+        let (di, dis) = col(&c.direct, |s| s.iops);
+        let (ep, _) = col(&c.export, |s| s.p99_us);
+        let (qp, _) = col(&c.qemu, |s| s.p99_us);
+        let (dp, _) = col(&c.direct, |s| s.p99_us);
+        let (ec, _) = col(&c.export, |s| s.per_cpu);
+        let (qc, _) = col(&c.qemu, |s| s.per_cpu);
+        let (dc, _) = col(&c.direct, |s| s.per_cpu);
+        println!(
+            "| {} | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.2} | {:.0} (±{:.0}%) | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.2} |",
+            c.name,
+            ei,
+            eis / 2.0,
+            qi,
+            qis / 2.0,
+            qi / ei.max(1.0),
+            di,
+            dis / 2.0,
+            ep,
+            qp,
+            dp,
+            ec,
+            qc,
+            dc,
+            qc / ec.max(1.0)
+        );
+    }
+    Ok(())
+}
+
 pub fn compare(o: &CompareOpts) -> Result<()> {
     prepare_image(o)?;
+    if o.qemu_engine {
+        return compare_qemu_engine(o);
+    }
+    let mut o = o.clone();
+    if o.depths.is_empty() {
+        o.depths = vec![1, 32, 128];
+    }
+    let o = &o;
     let dir = tempfile::Builder::new().prefix("accel-compare").tempdir()?;
     let sock = dir.path().join("s.sock");
     let mut cells = Vec::new();
@@ -258,11 +431,11 @@ pub fn compare(o: &CompareOpts) -> Result<()> {
                     c.fio_sync.push(fio(o, "pvsync2", rw, d, q)?);
                     {
                         let s = qsd(o, &sock, q)?;
-                        c.qsd.push(client(o, &sock, s.pid(), rw, d, q)?);
+                        c.qsd.push(client(o, &sock, &[s.pid()], rw, d, q)?);
                     }
                     {
                         let s = acceld(o, &sock, q)?;
-                        c.acc.push(client(o, &sock, s.0.id(), rw, d, q)?);
+                        c.acc.push(client(o, &sock, &[s.0.id()], rw, d, q)?);
                     }
                 }
                 eprintln!("done: {}", c.name);

@@ -148,6 +148,12 @@ fn hostile_nbd_servers_give_ioerr_and_a_hung_one_does_not_block_sigterm() {
                 )
                 .unwrap();
             }
+        } else if how == Behaviour::DataForWrite {
+            for i in 0..20 {
+                let d = vec![0x11u8; 4096];
+                let (st, _, _) = fe.request(0, T_OUT, 8 * i, &d, 0).unwrap();
+                assert_eq!(st, S_IOERR, "{how:?}: request {i}");
+            }
         } else {
             for i in 0..20 {
                 let (st, _, _) = fe.request(0, T_IN, 8 * i, &[], 4096).unwrap();

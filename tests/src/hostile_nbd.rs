@@ -25,10 +25,15 @@ pub enum Behaviour {
     BadHole,
     /// A well-formed error chunk, EIO, for every request (a failing disk behind the export).
     Eio,
+    /// A simple reply followed by data, to a read, although structured replies were agreed.
+    SimpleDataRead,
+    /// An OFFSET_DATA chunk answering a write (a device must never write into the buffers
+    /// of a write).
+    DataForWrite,
 }
 
 impl Behaviour {
-    pub const ALL: [Behaviour; 7] = [
+    pub const ALL: [Behaviour; 9] = [
         Behaviour::Silent,
         Behaviour::WrongCookie,
         Behaviour::Oversized,
@@ -36,6 +41,8 @@ impl Behaviour {
         Behaviour::Garbage,
         Behaviour::ErrorTooLong,
         Behaviour::BadHole,
+        Behaviour::SimpleDataRead,
+        Behaviour::DataForWrite,
     ];
 }
 
@@ -93,6 +100,19 @@ fn serve(mut s: UnixStream, size: u64, how: Behaviour) -> std::io::Result<()> {
         };
         let out: Vec<u8> = match how {
             Behaviour::Silent => continue,
+            Behaviour::SimpleDataRead => {
+                let mut r = SIMPLE.to_be_bytes().to_vec();
+                r.extend_from_slice(&0u32.to_be_bytes());
+                r.extend_from_slice(&cookie.to_be_bytes());
+                r.extend(std::iter::repeat_n(0x5a, len as usize));
+                r
+            }
+            Behaviour::DataForWrite => {
+                let mut r = chunk(1, 1, len + 8);
+                r.extend_from_slice(&off.to_be_bytes());
+                r.extend(std::iter::repeat_n(0x77, len as usize));
+                r
+            }
             Behaviour::WrongCookie => {
                 let mut r = SIMPLE.to_be_bytes().to_vec();
                 r.extend_from_slice(&0u32.to_be_bytes());
@@ -173,4 +193,107 @@ pub fn start_holding_odd_writes(socket: &Path, image: &Path) -> std::io::Result<
         socket: socket.to_path_buf(),
         export: "holding".into(),
     })
+}
+
+/// The byte an [`start_awkward`] export holds at disk offset `o` (where it sends data).
+pub fn awkward_byte(o: u64) -> u8 {
+    ((o / 7) ^ (o >> 12) ^ 0x3c) as u8
+}
+
+/// A correct NBD server (structured replies, DF offered) that frames its replies as awkwardly
+/// as the protocol allows, cycling per request (`i` counts requests in arrival order):
+/// - `i % 3 == 0`: a read's one OFFSET_DATA chunk, written one byte at a time;
+/// - `i % 3 == 1`: a read in three chunks, data for its first half, a hole for the next
+///   quarter (it reads as zeroes), data for the rest, DONE only on the last;
+/// - `i % 3 == 2`: one chunk written in two pieces split inside the header.
+///
+/// Reads return [`awkward_byte`]; writes are taken and answered with a simple reply (what
+/// QEMU sends for a successful write even with structured replies); other commands with a
+/// NONE chunk. For tests of the reply reader's framing.
+pub fn start_awkward(socket: &Path, size: u64) -> std::io::Result<HostileNbd> {
+    let _ = std::fs::remove_file(socket);
+    let l = UnixListener::bind(socket)?;
+    std::thread::spawn(move || {
+        for c in l.incoming().map_while(Result::ok) {
+            std::thread::spawn(move || {
+                let _ = serve_awkward(c, size);
+            });
+        }
+    });
+    Ok(HostileNbd {
+        socket: socket.to_path_buf(),
+        export: "awkward".into(),
+    })
+}
+
+fn serve_awkward(mut s: UnixStream, size: u64) -> std::io::Result<()> {
+    // HAS_FLAGS, SEND_FLUSH, SEND_FUA, SEND_TRIM, SEND_WRITE_ZEROES, SEND_DF.
+    crate::nbd_server::handshake(&mut s, size, 1 | 4 | 8 | 32 | 64 | 128, true, &|_| true)?;
+    let mut i = 0u64;
+    loop {
+        let mut h = [0u8; 28];
+        s.read_exact(&mut h)?;
+        let typ = u16::from_be_bytes(h[6..8].try_into().unwrap());
+        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        let off = u64::from_be_bytes(h[16..24].try_into().unwrap());
+        let len = u32::from_be_bytes(h[24..28].try_into().unwrap());
+        let chunk = |flags: u16, ctype: u16, clen: u32| {
+            let mut r = STRUCTURED.to_be_bytes().to_vec();
+            r.extend_from_slice(&flags.to_be_bytes());
+            r.extend_from_slice(&ctype.to_be_bytes());
+            r.extend_from_slice(&cookie.to_be_bytes());
+            r.extend_from_slice(&clen.to_be_bytes());
+            r
+        };
+        let data = |from: u64, n: u64| (from..from + n).map(awkward_byte).collect::<Vec<u8>>();
+        match typ {
+            0 => {
+                let n = u64::from(len);
+                match i % 3 {
+                    0 => {
+                        let mut r = chunk(1, 1, len + 8);
+                        r.extend_from_slice(&off.to_be_bytes());
+                        r.extend(data(off, n));
+                        for b in r {
+                            s.write_all(&[b])?;
+                        }
+                    }
+                    1 => {
+                        let (a, b) = (n / 2, n / 4);
+                        let mut r = chunk(0, 1, a as u32 + 8);
+                        r.extend_from_slice(&off.to_be_bytes());
+                        r.extend(data(off, a));
+                        r.extend(chunk(0, 2, 12));
+                        r.extend_from_slice(&(off + a).to_be_bytes());
+                        r.extend_from_slice(&(b as u32).to_be_bytes());
+                        let rest = n - a - b;
+                        r.extend(chunk(1, 1, rest as u32 + 8));
+                        r.extend_from_slice(&(off + a + b).to_be_bytes());
+                        r.extend(data(off + a + b, rest));
+                        s.write_all(&r)?;
+                    }
+                    _ => {
+                        let mut r = chunk(1, 1, len + 8);
+                        r.extend_from_slice(&off.to_be_bytes());
+                        r.extend(data(off, n));
+                        s.write_all(&r[..11])?;
+                        s.flush()?;
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                        s.write_all(&r[11..])?;
+                    }
+                }
+            }
+            1 => {
+                let mut d = vec![0u8; len as usize];
+                s.read_exact(&mut d)?;
+                let mut r = SIMPLE.to_be_bytes().to_vec();
+                r.extend_from_slice(&0u32.to_be_bytes());
+                r.extend_from_slice(&cookie.to_be_bytes());
+                s.write_all(&r)?;
+            }
+            2 => return Ok(()),
+            _ => s.write_all(&chunk(1, 0, 0))?,
+        }
+        i += 1;
+    }
 }

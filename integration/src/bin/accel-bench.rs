@@ -55,9 +55,10 @@ struct Args {
     /// any mismatch fails with its offset.
     #[arg(long)]
     verify: bool,
-    /// Account this process's CPU time (the server's) from /proc.
-    #[arg(long)]
-    server_pid: Option<u32>,
+    /// Account these processes' CPU time (the serving side's, summed) from /proc; a
+    /// comma-separated list, e.g. acceld's and QEMU's pids for the qemu engine.
+    #[arg(long, value_delimiter = ',')]
+    server_pid: Vec<u32>,
     /// Spin on the used rings instead of sleeping (as a busy guest vCPU would).
     #[arg(long)]
     poll: bool,
@@ -212,11 +213,14 @@ fn run(a: &Args) -> Result<()> {
         },
         ..base
     };
-    let cpu0 = a.server_pid.map(cpu_seconds).transpose()?;
+    let serving_cpu =
+        |pids: &[u32]| -> Result<f64> { pids.iter().map(|&p| cpu_seconds(p)).sum::<Result<f64>>() };
+    let cpu0 = serving_cpu(&a.server_pid)?;
     let rep = run_load(&mut fe, &spec)?;
-    let cpu = match (a.server_pid, cpu0) {
-        (Some(pid), Some(c0)) => Some(cpu_seconds(pid)? - c0),
-        _ => None,
+    let cpu = if a.server_pid.is_empty() {
+        None
+    } else {
+        Some(serving_cpu(&a.server_pid)? - cpu0)
     };
     print_report(a, &rep, cpu);
     if rep.errors > 0 || rep.mismatch_count > 0 {

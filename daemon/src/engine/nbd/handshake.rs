@@ -23,14 +23,6 @@ pub(super) fn rd_u64(r: &mut impl Read) -> io::Result<u64> {
     Ok(u64::from_be_bytes(b))
 }
 
-pub(super) fn skip(r: &mut impl Read, n: u64) -> io::Result<()> {
-    let copied = io::copy(&mut r.take(n), &mut io::sink())?;
-    if copied != n {
-        return Err(io::ErrorKind::UnexpectedEof.into());
-    }
-    Ok(())
-}
-
 fn send_option(w: &mut impl Write, opt: u32, data: &[u8]) -> io::Result<()> {
     let mut m = Vec::with_capacity(16 + data.len());
     m.extend_from_slice(&IHAVEOPT.to_be_bytes());

@@ -2,16 +2,17 @@
 //! QEMU (`nbd-server-start` + `block-export-add type=nbd`), so QEMU's block layer serves them.
 //!
 //! Protocol: the NBD spec's fixed newstyle handshake, `NBD_OPT_STRUCTURED_REPLY`, then
-//! `NBD_OPT_GO` with a block-size info request; transmission with READ, WRITE (FUA for
+//! `NBD_OPT_GO` with a block-size info request; transmission with READ (with DF where the
+//! server offers it: QEMU then skips a block-status walk per read), WRITE (FUA for
 //! write-through), FLUSH, TRIM and WRITE_ZEROES, many requests in flight per connection.
 //!
 //! Shape: one connection per queue (QEMU serves every connection of an export from one block
-//! backend, so a FLUSH on one covers writes completed on the others). The queue's worker thread
-//! writes requests, with write payloads gathered straight from guest pages (`writev`); a reader
-//! thread per connection reads replies and scatters read payloads straight into guest pages
-//! (`readv`), then posts (token, result) and signals an eventfd that the worker polls like an
-//! io_uring completion. No buffer is sized by the guest: requests above the export's maximum
-//! payload are split into parts, each a separate NBD request.
+//! backend, so a FLUSH on one covers writes completed on the others), driven by the queue's
+//! worker thread alone: it sends requests in one `sendmsg` per batch, write payloads gathered
+//! straight from guest pages, and reads replies when the socket is readable (the socket is in
+//! the poll set the worker waits on), read payloads scattered straight into guest pages. A
+//! thread per connection only makes the connection. No buffer is sized by the guest: requests
+//! above the export's maximum payload are split into parts, each a separate NBD request.
 //!
 //! Failure: if the export goes away, every request in flight and every later one completes
 //! with `-EIO` (the guest sees IOERR), the error is counted and kept for `accelctl status`, and
@@ -37,7 +38,7 @@ pub mod reply;
 use handshake::disconnect;
 pub use handshake::{connect, greets};
 use queue::{Conn, ConnState, NbdQueue};
-use reader::connect_and_read;
+use reader::connect_thread;
 
 const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"
 const IHAVEOPT: u64 = 0x4948_4156_454f_5054; // "IHAVEOPT"
@@ -63,6 +64,7 @@ pub const TF_SEND_FLUSH: u16 = 1 << 2;
 pub const TF_SEND_FUA: u16 = 1 << 3;
 pub const TF_SEND_TRIM: u16 = 1 << 5;
 pub const TF_SEND_WRITE_ZEROES: u16 = 1 << 6;
+pub const TF_SEND_DF: u16 = 1 << 7;
 pub const TF_CAN_MULTI_CONN: u16 = 1 << 8;
 
 const CMD_READ: u16 = 0;
@@ -73,6 +75,9 @@ const CMD_TRIM: u16 = 4;
 const CMD_WRITE_ZEROES: u16 = 6;
 const CMD_FLAG_FUA: u16 = 1;
 const CMD_FLAG_NO_HOLE: u16 = 2;
+/// "Don't fragment": the read's data in one OFFSET_DATA chunk, holes included. QEMU then
+/// skips the block-status walk it does for every sparse read (nbd/server.c).
+const CMD_FLAG_DF: u16 = 4;
 
 const REPLY_FLAG_DONE: u16 = 1;
 const REPLY_TYPE_NONE: u16 = 0;
@@ -184,9 +189,7 @@ impl NbdEngine {
     pub fn close(&self) {
         for c in lock(&self.conns).drain(..).filter_map(|w| w.upgrade()) {
             c.closing.store(true, Ordering::Relaxed);
-            if let Some(s) = c.sock.get() {
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
+            c.shut();
         }
     }
 }
@@ -218,12 +221,13 @@ impl Engine for NbdEngine {
     }
 
     fn open_queue(&self, queue: usize, _depth: u32) -> Result<Box<dyn QueueIo>, EngineError> {
-        // The connection is made by the queue's reader thread, not here: this may run inside
-        // a vhost-user message from QEMU's main thread, and QEMU's NBD server cannot accept
-        // while that thread waits for our reply.
+        // The connection is made by a thread of its own, not here: this may run inside a
+        // vhost-user message from QEMU's main thread, and QEMU's NBD server cannot accept
+        // while that thread waits for our reply. The worker takes the socket over once
+        // connected.
         let done = EventFd::new(EFD_NONBLOCK).map_err(EngineError::EventFd)?;
         let conn = Arc::new(Conn {
-            sock: std::sync::OnceLock::new(),
+            link: std::sync::OnceLock::new(),
             done,
             st: Mutex::new(ConnState::default()),
             settled: std::sync::Condvar::new(),
@@ -231,27 +235,21 @@ impl Engine for NbdEngine {
             stats: self.stats.clone(),
             queue,
         });
+        let q = NbdQueue::new(conn.clone(), self.info).map_err(EngineError::EventFd)?;
         let c2 = conn.clone();
         let path = self.path.clone();
         let export = self.export.clone();
         let want = self.info;
         std::thread::Builder::new()
             .name(format!("nbd-q{queue}"))
-            .spawn(move || connect_and_read(&c2, &path, &export, want))
+            .spawn(move || connect_thread(&c2, &path, &export, want))
             .map_err(EngineError::Spawn)?;
         {
             let mut conns = lock(&self.conns);
             conns.retain(|w| w.strong_count() > 0);
             conns.push(Arc::downgrade(&conn));
         }
-        Ok(Box::new(NbdQueue {
-            conn,
-            info: self.info,
-            out: Vec::new(),
-            hdrs: Vec::new(),
-            iov: Vec::new(),
-            next_slot: 0,
-        }))
+        Ok(Box::new(q))
     }
 
     /// QEMU 10.0's NBD server marks a client quiescing only if it was a client when the drain

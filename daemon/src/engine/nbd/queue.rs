@@ -1,16 +1,22 @@
-//! One queue's NBD connection: requests pushed by the worker, sent in one `writev` per batch
-//! with write payloads gathered straight from guest pages.
+//! One queue's NBD connection, driven entirely by the queue's worker thread: requests pushed
+//! by the worker are sent in one `sendmsg` per batch, write payloads gathered straight from
+//! guest pages; replies are read by the same thread when the socket is readable (see
+//! [`super::reader`]), read payloads scattered straight into guest pages. No thread hand-off
+//! and no wake-up per request: the only other thread is the one that connects.
 
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Instant;
 
 use tracing::warn;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::reader::Rx;
 use super::*;
 use crate::engine::{IoOp, QueueIo};
 use crate::guest_mem::{consume_iov, sub_iovecs, MAX_IOV};
@@ -23,11 +29,6 @@ pub(super) struct IoVecs {
     pub(super) cnt: u32,
 }
 
-// SAFETY: the pointers name guest memory (or a bounce buffer) that the worker keeps valid and
-// untouched until it reaps this request's completion (the QueueIo::push contract); the reader
-// thread only touches them for a request that is still in flight.
-unsafe impl Send for IoVecs {}
-
 pub(super) struct Pending {
     pub(super) token: u64,
     /// Byte offset of the request on the disk, and its length.
@@ -39,19 +40,26 @@ pub(super) struct Pending {
     pub(super) result: i32,
 }
 
+/// What the connecting thread and the engine share with the worker.
 #[derive(Default)]
 pub(super) struct ConnState {
-    /// In flight, by slot (the NBD cookie's high 32 bits).
-    pub(super) inflight: HashMap<u32, Pending>,
-    pub(super) completions: Vec<(u64, i32)>,
     pub(super) dead: bool,
     /// The handshake is over: the export has this connection as a client.
     pub(super) up: bool,
+    /// Why the connection could not be made.
+    pub(super) why: Option<String>,
+}
+
+/// A connected socket and what its handshake negotiated.
+pub(super) struct Link {
+    pub(super) sock: UnixStream,
+    pub(super) info: ExportInfo,
 }
 
 pub(super) struct Conn {
-    /// Set once the reader thread has connected.
-    pub(super) sock: std::sync::OnceLock<UnixStream>,
+    /// Set once the connecting thread has connected.
+    pub(super) link: OnceLock<Link>,
+    /// Signalled once by the connecting thread: connected, or failed.
     pub(super) done: EventFd,
     pub(super) st: Mutex<ConnState>,
     /// Notified when `up` or `dead` is set.
@@ -63,17 +71,29 @@ pub(super) struct Conn {
 }
 
 impl Conn {
-    /// Marks the handshake done (the reader thread, right after it).
+    /// Marks the handshake done (the connecting thread, right after it).
     pub(super) fn set_up(&self) {
         lock(&self.st).up = true;
         self.settled.notify_all();
+        let _ = self.done.write(1);
+    }
+
+    /// The connection could not be made (the connecting thread).
+    pub(super) fn set_failed(&self, why: String) {
+        {
+            let mut st = lock(&self.st);
+            st.dead = true;
+            st.why = Some(why);
+        }
+        self.settled.notify_all();
+        let _ = self.done.write(1);
     }
 
     /// Waits until the connection is up or dead; false when `deadline` passes first.
-    pub(super) fn wait_settled(&self, deadline: std::time::Instant) -> bool {
+    pub(super) fn wait_settled(&self, deadline: Instant) -> bool {
         let mut st = lock(&self.st);
         while !st.up && !st.dead {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
             }
@@ -85,30 +105,58 @@ impl Conn {
         true
     }
 
-    pub(super) fn signal(&self) {
-        let _ = self.done.write(1);
+    /// Shuts the socket down: the worker sees end of file and fails what is in flight.
+    pub(super) fn shut(&self) {
+        if let Some(l) = self.link.get() {
+            let _ = l.sock.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// The requests in flight on one connection and their finished results, owned by the worker.
+#[derive(Default)]
+pub(super) struct Flight {
+    /// By slot (the NBD cookie's high 32 bits).
+    pub(super) inflight: HashMap<u32, Pending>,
+    /// Requests in flight that are reads: while there are none, no reply can carry guest
+    /// data, and replies are read in bulk.
+    pub(super) reads: usize,
+    pub(super) completions: Vec<(u64, i32)>,
+    pub(super) dead: bool,
+}
+
+impl Flight {
+    /// One part of request `slot` finished with `err` (0: success).
+    pub(super) fn part_done(&mut self, slot: u32, err: i32) -> Result<(), reply::ReplyError> {
+        let p = self
+            .inflight
+            .get_mut(&slot)
+            .ok_or(reply::ReplyError::UnknownSlot(slot))?;
+        if err != 0 && p.result == 0 {
+            p.result = err;
+        }
+        p.parts_left -= 1;
+        if p.parts_left == 0 {
+            let p = self.inflight.remove(&slot).expect("present");
+            if p.read {
+                self.reads -= 1;
+            }
+            let res = if p.result != 0 {
+                p.result
+            } else {
+                p.len.min(i32::MAX as u64) as i32
+            };
+            self.completions.push((p.token, res));
+        }
+        Ok(())
     }
 
-    /// Marks the connection dead and fails everything in flight with EIO.
-    pub(super) fn fail_all(&self, why: &str) {
-        let mut st = lock(&self.st);
-        if !st.dead && !self.closing.load(Ordering::Relaxed) {
-            warn!(queue = self.queue, "NBD connection lost: {why}");
-            self.stats.record(format!("queue {}: {why}", self.queue));
-        }
-        st.dead = true;
-        let failed: Vec<(u64, i32)> = st
-            .inflight
-            .drain()
-            .map(|(_, p)| (p.token, -libc::EIO))
-            .collect();
-        st.completions.extend(failed);
-        drop(st);
-        self.settled.notify_all();
-        if let Some(s) = self.sock.get() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-        self.signal();
+    /// Fails everything in flight with EIO; later requests fail at once.
+    pub(super) fn fail_all(&mut self) {
+        self.dead = true;
+        self.reads = 0;
+        let failed = self.inflight.drain().map(|(_, p)| (p.token, -libc::EIO));
+        self.completions.extend(failed);
     }
 }
 
@@ -123,10 +171,18 @@ pub(super) struct NbdQueue {
     pub(super) hdrs: Vec<[u8; 28]>,
     pub(super) iov: Vec<libc::iovec>,
     pub(super) next_slot: u32,
+    pub(super) flight: Flight,
+    pub(super) rx: Rx,
+    /// The worker polls this: the connecting thread's eventfd, then the socket too.
+    pub(super) ep: Epoll,
+    /// The connection's outcome was taken in (the socket is watched, or it failed).
+    pub(super) settled: bool,
 }
 
-// SAFETY: the only raw pointers are in the iovec scratch vector, filled and used within one
-// `submit` call on the owning thread; between calls they are never dereferenced.
+// SAFETY: the raw pointers (the guest iovecs of requests in flight, the send scratch vector,
+// the receive state's iovecs) name guest memory that the worker keeps valid until it reaps
+// the request (the QueueIo::push contract), or this queue's own buffers; the queue is used by
+// one thread at a time, the worker that owns it.
 unsafe impl Send for NbdQueue {}
 
 fn header(flags: u16, typ: u16, cookie: u64, offset: u64, len: u32) -> [u8; 28] {
@@ -153,15 +209,173 @@ impl IoVecs {
 }
 
 impl NbdQueue {
+    pub(super) fn new(conn: Arc<Conn>, info: ExportInfo) -> io::Result<Self> {
+        let ep = Epoll::new()?;
+        ep.ctl(
+            ControlOperation::Add,
+            conn.done.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, 0),
+        )?;
+        Ok(NbdQueue {
+            conn,
+            info,
+            out: Vec::new(),
+            hdrs: Vec::new(),
+            iov: Vec::new(),
+            next_slot: 0,
+            flight: Flight::default(),
+            rx: Rx::new(),
+            ep,
+            settled: false,
+        })
+    }
+
     fn complete_now(&mut self, token: u64, res: i32) {
-        lock(&self.conn.st).completions.push((token, res));
-        self.conn.signal();
+        self.flight.completions.push((token, res));
     }
 
     fn iov_len(iov: IoVecs) -> u64 {
         // SAFETY: push's contract: the iovec array is valid while the request is in flight.
         let all = unsafe { iov.as_slice() };
         all.iter().map(|v| v.iov_len as u64).sum()
+    }
+
+    fn link(&self) -> Option<&Link> {
+        if self.settled {
+            self.conn.link.get()
+        } else {
+            None
+        }
+    }
+
+    /// Takes in the connecting thread's outcome once it is there: the socket joins the
+    /// worker's poll set, or everything fails.
+    fn settle(&mut self) {
+        if self.settled {
+            return;
+        }
+        let failed = {
+            let st = lock(&self.conn.st);
+            if !st.up && !st.dead {
+                return;
+            }
+            st.dead.then(|| st.why.clone().unwrap_or_default())
+        };
+        self.settled = true;
+        let _ = self.conn.done.read();
+        let _ = self.ep.ctl(
+            ControlOperation::Delete,
+            self.conn.done.as_raw_fd(),
+            EpollEvent::default(),
+        );
+        match (failed, self.conn.link.get()) {
+            (None, Some(l)) => {
+                if let Err(e) = self.ep.ctl(
+                    ControlOperation::Add,
+                    l.sock.as_raw_fd(),
+                    EpollEvent::new(EventSet::IN, 1),
+                ) {
+                    self.fail(&format!("cannot watch the socket: {e}"));
+                }
+            }
+            (why, _) => {
+                self.fail(&why.unwrap_or_else(|| "no connection".into()));
+            }
+        }
+    }
+
+    /// Fails the connection: everything in flight and everything later gets EIO.
+    fn fail(&mut self, why: &str) {
+        if !self.flight.dead && !self.conn.closing.load(Ordering::Relaxed) {
+            warn!(queue = self.conn.queue, "NBD connection lost: {why}");
+            self.conn
+                .stats
+                .record(format!("queue {}: {why}", self.conn.queue));
+        }
+        self.flight.fail_all();
+        self.out.clear();
+        self.hdrs.clear();
+        lock(&self.conn.st).dead = true;
+        self.conn.settled.notify_all();
+        self.conn.shut();
+        if let Some(l) = self.conn.link.get() {
+            let _ = self.ep.ctl(
+                ControlOperation::Delete,
+                l.sock.as_raw_fd(),
+                EpollEvent::default(),
+            );
+        }
+    }
+
+    /// Reads every reply that is there, without waiting.
+    fn pump(&mut self) {
+        if self.flight.dead {
+            return;
+        }
+        let Some(l) = self.link() else { return };
+        let fd = l.sock.as_raw_fd();
+        let structured = l.info.structured;
+        let maxp = u64::from(self.info.max_payload);
+        if let Err(e) = self.rx.pump(fd, structured, maxp, &mut self.flight) {
+            let why = crate::error_chain(&e);
+            tracing::debug!(queue = self.conn.queue, "NBD reader ends: {why}");
+            self.fail(&why);
+        }
+    }
+
+    /// Sends the scratch iovecs, never blocking while the server waits for us to read: when
+    /// the socket is full, replies are read meanwhile (they only complete requests whose
+    /// bytes were all sent). Gives up after [`SEND_TIMEOUT`] without progress.
+    fn send_all(&mut self, fd: RawFd) -> io::Result<()> {
+        let mut iov = std::mem::take(&mut self.iov);
+        let res = (|| {
+            let mut start = consume_iov(&mut iov, 0, 0);
+            let mut stalled_since: Option<Instant> = None;
+            while start < iov.len() {
+                let n = (iov.len() - start).min(MAX_IOV);
+                // SAFETY: msghdr is plain old data; all-zero is a valid (empty) value.
+                let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+                msg.msg_iov = iov[start..].as_mut_ptr();
+                msg.msg_iovlen = n;
+                // SAFETY: the iovecs name live memory (the headers, and guest pages of
+                // requests in flight: push's contract); sendmsg only reads them.
+                let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+                if r >= 0 {
+                    stalled_since = None;
+                    start = consume_iov(&mut iov, start, r as usize);
+                    continue;
+                }
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock => {}
+                    _ => return Err(e),
+                }
+                let since = *stalled_since.get_or_insert_with(Instant::now);
+                let left = SEND_TIMEOUT.saturating_sub(since.elapsed());
+                if left.is_zero() {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                let mut p = libc::pollfd {
+                    fd,
+                    events: libc::POLLIN | libc::POLLOUT,
+                    revents: 0,
+                };
+                let ms = left.as_millis().min(1000) as libc::c_int;
+                // SAFETY: one valid pollfd.
+                let k = unsafe { libc::poll(&mut p, 1, ms) };
+                if k > 0 && p.revents & libc::POLLIN != 0 {
+                    self.pump();
+                    if self.flight.dead {
+                        return Err(io::ErrorKind::BrokenPipe.into());
+                    }
+                }
+            }
+            Ok(())
+        })();
+        iov.clear();
+        self.iov = iov;
+        res
     }
 }
 
@@ -178,7 +392,12 @@ impl QueueIo for NbdQueue {
                     ptr: iov,
                     cnt: iovcnt,
                 };
-                (CMD_READ, 0, offset, Self::iov_len(v), Some(v))
+                let df = if self.info.structured && tf & TF_SEND_DF != 0 {
+                    CMD_FLAG_DF
+                } else {
+                    0
+                };
+                (CMD_READ, df, offset, Self::iov_len(v), Some(v))
             }
             IoOp::Writev {
                 offset,
@@ -247,34 +466,33 @@ impl QueueIo for NbdQueue {
             self.complete_now(token, -libc::EINVAL);
             return true;
         }
-        let slot = {
-            let mut st = lock(&self.conn.st);
-            if st.dead {
-                st.completions.push((token, -libc::EIO));
-                drop(st);
-                self.conn.signal();
-                return true;
-            }
-            // A free slot: in-flight requests are few (the queue depth), so this ends fast.
-            let mut slot = self.next_slot;
-            while st.inflight.contains_key(&slot) {
-                slot = slot.wrapping_add(1);
-            }
-            self.next_slot = slot.wrapping_add(1);
-            st.inflight.insert(
-                slot,
-                Pending {
-                    token,
-                    offset,
-                    len,
-                    iov,
-                    read: typ == CMD_READ,
-                    parts_left: parts,
-                    result: 0,
-                },
-            );
-            slot
-        };
+        self.settle();
+        if self.flight.dead {
+            self.complete_now(token, -libc::EIO);
+            return true;
+        }
+        // A free slot: in-flight requests are few (the queue depth), so this ends fast.
+        let mut slot = self.next_slot;
+        while self.flight.inflight.contains_key(&slot) {
+            slot = slot.wrapping_add(1);
+        }
+        self.next_slot = slot.wrapping_add(1);
+        let read = typ == CMD_READ;
+        self.flight.inflight.insert(
+            slot,
+            Pending {
+                token,
+                offset,
+                len,
+                iov,
+                read,
+                parts_left: parts,
+                result: 0,
+            },
+        );
+        if read {
+            self.flight.reads += 1;
+        }
         for part in 0..parts {
             let poff = part * maxp;
             let plen = (len - poff.min(len)).min(maxp);
@@ -295,17 +513,18 @@ impl QueueIo for NbdQueue {
         if self.out.is_empty() {
             return Ok(());
         }
-        if lock(&self.conn.st).dead {
+        self.settle();
+        if self.flight.dead {
             // Everything registered was failed with EIO already.
             self.out.clear();
             self.hdrs.clear();
             return Ok(());
         }
-        let Some(sock) = self.conn.sock.get() else {
-            // Not connected yet: sent when the reader thread signals the connection.
+        let Some(l) = self.link() else {
+            // Not connected yet: sent when the connecting thread signals.
             return Ok(());
         };
-        let fd = sock.as_raw_fd();
+        let fd = l.sock.as_raw_fd();
         self.iov.clear();
         for (h, payload) in &self.out {
             self.iov.push(libc::iovec {
@@ -318,71 +537,43 @@ impl QueueIo for NbdQueue {
                 sub_iovecs(unsafe { v.as_slice() }, *from, *len, &mut self.iov);
             }
         }
-        let res = write_all_vectored(fd, &mut self.iov);
+        let res = self.send_all(fd);
         self.out.clear();
         self.hdrs.clear();
         if let Err(e) = res {
-            // The reader fails every request in flight (including these) when it sees the
-            // socket shut down.
-            self.conn.fail_all(&format!("sending requests: {e}"));
+            self.fail(&format!("sending requests: {e}"));
         }
         Ok(())
     }
 
     fn completion_fd(&self) -> RawFd {
-        self.conn.done.as_raw_fd()
+        self.ep.as_raw_fd()
     }
 
     fn has_completions(&mut self) -> bool {
-        !lock(&self.conn.st).completions.is_empty()
+        if self.flight.completions.is_empty() && !self.flight.inflight.is_empty() {
+            self.settle();
+            self.pump();
+        }
+        !self.flight.completions.is_empty()
     }
 
     fn reap(&mut self, out: &mut Vec<(u64, i32)>) {
-        let _ = self.conn.done.read();
+        self.settle();
         if !self.out.is_empty() {
             // Requests pushed before the connection was up.
             let _ = self.submit();
         }
-        out.append(&mut lock(&self.conn.st).completions);
+        self.pump();
+        out.append(&mut self.flight.completions);
     }
 }
 
 impl Drop for NbdQueue {
     fn drop(&mut self) {
         self.conn.closing.store(true, Ordering::Relaxed);
-        if let Some(s) = self.conn.sock.get() {
-            disconnect(s);
+        if let Some(l) = self.conn.link.get() {
+            handshake::disconnect(&l.sock);
         }
     }
-}
-
-/// Writes every byte of `iov` (in IOV_MAX batches), adjusting it after short writes.
-fn write_all_vectored(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<()> {
-    // SAFETY: the iovecs are valid over live memory (see submit); writev only reads them.
-    transfer_all(iov, |v, n| unsafe { libc::writev(fd, v, n) })
-}
-
-/// Runs `op` (readv or writev) until every byte of `iov` moved, in IOV_MAX batches, advancing
-/// past short transfers; EINTR is retried and a zero-byte transfer is end of file.
-pub(super) fn transfer_all(
-    iov: &mut [libc::iovec],
-    mut op: impl FnMut(*const libc::iovec, libc::c_int) -> isize,
-) -> io::Result<()> {
-    let mut start = consume_iov(iov, 0, 0);
-    while start < iov.len() {
-        let n = (iov.len() - start).min(MAX_IOV);
-        let r = op(iov[start..].as_ptr(), n as libc::c_int);
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if r == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        start = consume_iov(iov, start, r as usize);
-    }
-    Ok(())
 }

@@ -29,6 +29,8 @@ pub enum ReplyError {
     OutsideRequest { offset: u64, len: u64 },
     #[error("data reply to a request without data")]
     NoData,
+    #[error("simple reply with data to a read, after structured replies were negotiated")]
+    SimpleRead,
     #[error("server closed the connection")]
     Closed,
     #[error("reading replies")]
