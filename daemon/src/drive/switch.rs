@@ -8,7 +8,7 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 use super::{Drive, QueueCtl};
-use crate::engine::{Engine, EngineError};
+use crate::engine::{Engine, EngineError, QueueIo};
 use crate::util::lock;
 
 /// How long a switch waits for the new engine's queues to be set up (NBD handshakes).
@@ -99,6 +99,38 @@ impl Drive {
     }
 }
 
+/// Queue contexts opened on an engine before a pause (see [`Drive::open_contexts`]).
+pub struct Contexts(Vec<(usize, u32, Box<dyn QueueIo>)>);
+
+impl Contexts {
+    /// The context opened for queue `index` at `depth`, if any.
+    fn take(&mut self, index: usize, depth: u32) -> Option<Box<dyn QueueIo>> {
+        let at = self
+            .0
+            .iter()
+            .position(|(i, d, _)| *i == index && *d == depth)?;
+        Some(self.0.swap_remove(at).2)
+    }
+}
+
+impl Drive {
+    /// Opens a context on `engine` for every running queue, before a pause, so that the
+    /// pause does not wait for them (an io_uring ring takes milliseconds to set up on a busy
+    /// host). A queue that starts or stops meanwhile gets its context at the resume.
+    pub fn open_contexts(&self, engine: &dyn Engine) -> Result<Contexts, EngineError> {
+        let workers: Vec<Arc<QueueCtl>> = lock(&self.running).clone();
+        let mut v = Vec::with_capacity(workers.len());
+        for w in &workers {
+            v.push((
+                w.index(),
+                w.depth(),
+                engine.open_queue(w.index(), w.depth())?,
+            ));
+        }
+        Ok(Contexts(v))
+    }
+}
+
 /// A drive whose queues are paused and drained (see [`Drive::pause`]).
 pub struct Paused {
     drive: Arc<Drive>,
@@ -121,10 +153,16 @@ impl Paused {
     /// Ends the pause on `engine`: each queue gets a fresh context on it. A holding engine
     /// keeps the queues paused (requests wait in the vring). When a context cannot be opened,
     /// the drive stays paused and the pause comes back with the error, for a rollback.
+    pub fn resume(self, engine: Arc<dyn Engine>) -> Result<SwitchReport, (Paused, SwitchError)> {
+        self.resume_with(engine, None)
+    }
+
+    /// [`Paused::resume`] with contexts opened before the pause on the same engine.
     #[allow(clippy::needless_pass_by_value)] // the drive keeps the engine (cloned into it)
-    pub fn resume(
+    pub fn resume_with(
         mut self,
         engine: Arc<dyn Engine>,
+        mut ahead: Option<Contexts>,
     ) -> Result<SwitchReport, (Paused, SwitchError)> {
         let d = self.drive.clone();
         let a = lock(&d.attach_lock);
@@ -132,6 +170,10 @@ impl Paused {
         let mut fresh = Vec::with_capacity(workers.len());
         if !engine.holds() {
             for w in &workers {
+                if let Some(io) = ahead.as_mut().and_then(|c| c.take(w.index(), w.depth())) {
+                    fresh.push(io);
+                    continue;
+                }
                 match engine.open_queue(w.index(), w.depth()) {
                     Ok(io) => fresh.push(io),
                     Err(e) => {

@@ -119,6 +119,12 @@ impl Supervisor {
             _ => None,
         };
         let direct_prepared = prepared.is_some() && matches!(to, Target::Direct(_));
+        // The queues' contexts on a prepared engine too (io_uring rings, NBD queues on the
+        // connections made ahead): the pause then does not wait for their set-up. If they
+        // cannot be opened now, the resume opens them and says why.
+        let ahead = prepared
+            .as_ref()
+            .and_then(|e| block_in_place(|| drive.open_contexts(e.as_ref())).ok());
         let paused = match block_in_place(|| drive.pause()) {
             Ok(p) => p,
             Err(e) => {
@@ -131,22 +137,32 @@ impl Supervisor {
             }
         };
         let drained = paused.elapsed();
-        drive.engine().release();
+        // The old engine gives the storage up: inside the pause when the new one still has to
+        // be brought up (QEMU's nodes may need the image), after the resume when it was
+        // prepared (both already share the image, and the old one is idle once drained).
+        let old = drive.engine();
+        if prepared.is_none() {
+            old.release();
+        }
         let released = paused.elapsed();
         // A prepared direct engine shows in status once QEMU's export and nodes are gone
         // (finish_direct).
+        let prepared_release = prepared.is_some();
         let up = match prepared {
             Some(e) => Ok(e),
             None => self.bring_up(vm, d, qmp, &to).await,
         };
         debug!(drive = %d.spec.id, to = to.kind().as_str(), drain_us = drained.as_micros() as u64, release_us = (released - drained).as_micros() as u64, bring_up_us = (paused.elapsed() - released).as_micros() as u64, "switch steps");
         let res = match up {
-            Ok(engine) => match block_in_place(|| paused.resume(engine)) {
+            Ok(engine) => match block_in_place(|| paused.resume_with(engine, ahead)) {
                 Ok(rep) => Ok(rep),
                 Err((p, e)) => Err((p, SupError::Switch(e))),
             },
             Err(e) => Err((paused, e)),
         };
+        if prepared_release {
+            old.release();
+        }
         match res {
             Ok(rep) => {
                 let us = rep.pause.as_micros() as u64;
@@ -230,7 +246,10 @@ impl Supervisor {
             .qemu_up(d, qmp, &sock, throttle.as_ref(), after_incoming)
             .await?;
         let t_up = t0.elapsed();
-        let engine = block_in_place(|| NbdEngine::connect(&sock, &export))?;
+        // One connection per queue now, so the queues resume on connections that are up
+        // (before the pause, when share_write_first).
+        let queues = usize::from(d.drive.config().num_queues);
+        let engine = block_in_place(|| NbdEngine::connect_ahead(&sock, &export, queues))?;
         debug!(drive = %d.spec.id, before_pause = share_write_first, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, export_us = (t_up - t_nodes).as_micros() as u64, connect_us = (t0.elapsed() - t_up).as_micros() as u64, "bring-up steps (qemu)");
         if engine.info().size < d.drive.capacity() {
             return Err(SupError::Invalid(format!(

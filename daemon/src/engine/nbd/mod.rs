@@ -37,7 +37,7 @@ pub mod reply;
 
 use handshake::disconnect;
 pub use handshake::{connect, greets};
-use queue::{Conn, ConnState, NbdQueue};
+use queue::{Conn, ConnState, Link, NbdQueue};
 use reader::connect_thread;
 
 const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"
@@ -154,6 +154,8 @@ pub struct NbdEngine {
     export: String,
     info: ExportInfo,
     conns: Mutex<Vec<Weak<Conn>>>,
+    /// Connections made ahead (handshake done, idle), taken by the queues as they open.
+    ready: Mutex<Vec<Link>>,
     stats: Arc<NbdStats>,
 }
 
@@ -161,13 +163,50 @@ impl NbdEngine {
     /// Checks that the export exists and learns its parameters (the connection is closed;
     /// each queue opens its own).
     pub fn connect(path: &Path, export: &str) -> Result<Self, NbdError> {
+        Self::connect_ahead(path, export, 0)
+    }
+
+    /// Like [`NbdEngine::connect`], and makes `queues` connections now, one per queue to
+    /// come (the first is the one that checked the export): a switch makes them before the
+    /// drive pauses, so the queues resume on connections that are up. Never call this inside
+    /// a vhost-user message (QEMU's NBD server cannot accept while QEMU waits for acceld).
+    pub fn connect_ahead(path: &Path, export: &str, queues: usize) -> Result<Self, NbdError> {
         let (s, info) = connect(path, export)?;
-        disconnect(&s);
+        let mut ready = Vec::new();
+        let close_all = |ready: &mut Vec<Link>| {
+            for l in ready.drain(..) {
+                disconnect(&l.sock);
+            }
+        };
+        if queues == 0 {
+            disconnect(&s);
+        } else {
+            ready.push(Link { sock: s, info });
+        }
+        while ready.len() < queues {
+            match connect(path, export) {
+                Ok((sock, i)) if i.size == info.size => ready.push(Link { sock, info: i }),
+                Ok((sock, i)) => {
+                    disconnect(&sock);
+                    close_all(&mut ready);
+                    return Err(NbdError::SizeChanged {
+                        export: export.to_string(),
+                        was: info.size,
+                        now: i.size,
+                    });
+                }
+                Err(e) => {
+                    close_all(&mut ready);
+                    return Err(e);
+                }
+            }
+        }
         Ok(NbdEngine {
             path: path.to_path_buf(),
             export: export.to_string(),
             info,
             conns: Mutex::new(Vec::new()),
+            ready: Mutex::new(ready),
             stats: Arc::new(NbdStats::default()),
         })
     }
@@ -187,6 +226,9 @@ impl NbdEngine {
     /// Closes every connection (after a drain, before the export is deleted). Requests still
     /// in flight, if any, fail with EIO.
     pub fn close(&self) {
+        for l in lock(&self.ready).drain(..) {
+            disconnect(&l.sock);
+        }
         for c in lock(&self.conns).drain(..).filter_map(|w| w.upgrade()) {
             c.closing.store(true, Ordering::Relaxed);
             c.shut();
@@ -236,14 +278,21 @@ impl Engine for NbdEngine {
             queue,
         });
         let q = NbdQueue::new(conn.clone(), self.info).map_err(EngineError::EventFd)?;
-        let c2 = conn.clone();
-        let path = self.path.clone();
-        let export = self.export.clone();
-        let want = self.info;
-        std::thread::Builder::new()
-            .name(format!("nbd-q{queue}"))
-            .spawn(move || connect_thread(&c2, &path, &export, want))
-            .map_err(EngineError::Spawn)?;
+        let ahead = lock(&self.ready).pop();
+        if let Some(link) = ahead {
+            let _ = conn.link.set(link);
+            self.stats.connections.fetch_add(1, Ordering::Relaxed);
+            conn.set_up();
+        } else {
+            let c2 = conn.clone();
+            let path = self.path.clone();
+            let export = self.export.clone();
+            let want = self.info;
+            std::thread::Builder::new()
+                .name(format!("nbd-q{queue}"))
+                .spawn(move || connect_thread(&c2, &path, &export, want))
+                .map_err(EngineError::Spawn)?;
+        }
         {
             let mut conns = lock(&self.conns);
             conns.retain(|w| w.strong_count() > 0);
