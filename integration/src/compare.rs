@@ -252,6 +252,46 @@ fn median(v: &mut [f64]) -> (f64, f64) {
     (m, spread)
 }
 
+/// The median of each figure over a cell's runs, and half the IOPS spread (in %).
+struct Med {
+    iops: f64,
+    spread: f64,
+    p99: f64,
+    per_cpu: f64,
+}
+
+fn med(v: &[Sample]) -> Med {
+    let col = |f: fn(&Sample) -> f64| {
+        let mut x: Vec<f64> = v.iter().map(f).collect();
+        median(&mut x)
+    };
+    let (iops, spread) = col(|s| s.iops);
+    Med {
+        iops,
+        spread: spread / 2.0,
+        p99: col(|s| s.p99_us).0,
+        per_cpu: col(|s| s.per_cpu).0,
+    }
+}
+
+/// The line above a table: runs, duration, file, CPUs, acceld's options.
+fn print_setup(o: &CompareOpts, serving: &str) {
+    println!(
+        "median of {} runs x {:.0} s, 4 KiB, {} MiB file {}; {serving} on CPU {}, client on CPU {}; acceld {}; (spread = (max-min)/median)\n",
+        o.runs,
+        o.seconds,
+        o.size_mib,
+        o.image.display(),
+        o.server_cpu,
+        o.client_cpu,
+        if o.acceld_args.is_empty() {
+            "with default options".to_string()
+        } else {
+            o.acceld_args.join(" ")
+        }
+    );
+}
+
 struct Cell {
     name: String,
     fio: Vec<Sample>,
@@ -351,53 +391,28 @@ fn compare_qemu_engine(o: &CompareOpts) -> Result<()> {
             }
         }
     }
-    println!(
-        "median of {} runs x {:.0} s, 4 KiB, {} MiB file {}; serving side (qemu-storage-daemon, acceld, or both) on CPU {}, client on CPU {}; acceld {}; (spread = (max-min)/median)\n",
-        o.runs,
-        o.seconds,
-        o.size_mib,
-        o.image.display(),
-        o.server_cpu,
-        o.client_cpu,
-        if o.acceld_args.is_empty() {
-            "with default options".to_string()
-        } else {
-            o.acceld_args.join(" ")
-        }
-    );
+    print_setup(o, "serving side (qemu-storage-daemon, acceld, or both)");
     println!("| cell | QEMU export IOPS | qemu engine IOPS | qemu engine / export | direct IOPS | p99 µs export / qemu engine / direct | IOPS per CPU-s export / qemu engine / direct | qemu engine / export per CPU |");
     println!("|---|---|---|---|---|---|---|---|");
     for c in &cells {
-        let col = |v: &[Sample], f: fn(&Sample) -> f64| {
-            let mut x: Vec<f64> = v.iter().map(f).collect();
-            median(&mut x)
-        };
-        let (ei, eis) = col(&c.export, |s| s.iops);
-        let (qi, qis) = col(&c.qemu, |s| s.iops);
-        let (di, dis) = col(&c.direct, |s| s.iops);
-        let (ep, _) = col(&c.export, |s| s.p99_us);
-        let (qp, _) = col(&c.qemu, |s| s.p99_us);
-        let (dp, _) = col(&c.direct, |s| s.p99_us);
-        let (ec, _) = col(&c.export, |s| s.per_cpu);
-        let (qc, _) = col(&c.qemu, |s| s.per_cpu);
-        let (dc, _) = col(&c.direct, |s| s.per_cpu);
+        let (e, q, d) = (med(&c.export), med(&c.qemu), med(&c.direct));
         println!(
             "| {} | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.2} | {:.0} (±{:.0}%) | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.2} |",
             c.name,
-            ei,
-            eis / 2.0,
-            qi,
-            qis / 2.0,
-            qi / ei.max(1.0),
-            di,
-            dis / 2.0,
-            ep,
-            qp,
-            dp,
-            ec,
-            qc,
-            dc,
-            qc / ec.max(1.0)
+            e.iops,
+            e.spread,
+            q.iops,
+            q.spread,
+            q.iops / e.iops.max(1.0),
+            d.iops,
+            d.spread,
+            e.p99,
+            q.p99,
+            d.p99,
+            e.per_cpu,
+            q.per_cpu,
+            d.per_cpu,
+            q.per_cpu / e.per_cpu.max(1.0)
         );
     }
     Ok(())
@@ -443,58 +458,32 @@ pub fn compare(o: &CompareOpts) -> Result<()> {
             }
         }
     }
-    println!(
-        "median of {} runs x {:.0} s, 4 KiB, {} MiB file {}; server/fio on CPU {}, client on CPU {}; acceld {}; (spread = (max-min)/median)\n",
-        o.runs,
-        o.seconds,
-        o.size_mib,
-        o.image.display(),
-        o.server_cpu,
-        o.client_cpu,
-        if o.acceld_args.is_empty() {
-            "with default options".to_string()
-        } else {
-            o.acceld_args.join(" ")
-        }
-    );
+    print_setup(o, "server/fio");
     println!("| cell | fio io_uring IOPS | fio sync IOPS | qsd IOPS | acceld IOPS | acceld/fio io_uring | acceld/best fio | acceld/qsd | p99 µs fio / qsd / acceld | IOPS per CPU-s fio / qsd / acceld | acceld/qsd per CPU |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for c in &cells {
-        let col = |v: &[Sample], f: fn(&Sample) -> f64| {
-            let mut x: Vec<f64> = v.iter().map(f).collect();
-            median(&mut x)
-        };
-        let (fi, fis) = col(&c.fio, |s| s.iops);
-        let (si, sis) = col(&c.fio_sync, |s| s.iops);
-        let (qi, qis) = col(&c.qsd, |s| s.iops);
-        let (ai, ais) = col(&c.acc, |s| s.iops);
-        let (fp, _) = col(&c.fio, |s| s.p99_us);
-        let (qp, _) = col(&c.qsd, |s| s.p99_us);
-        let (ap, _) = col(&c.acc, |s| s.p99_us);
-        let (fc, _) = col(&c.fio, |s| s.per_cpu);
-        let (qc, _) = col(&c.qsd, |s| s.per_cpu);
-        let (ac, _) = col(&c.acc, |s| s.per_cpu);
+        let (f, fs, q, a) = (med(&c.fio), med(&c.fio_sync), med(&c.qsd), med(&c.acc));
         println!(
             "| {} | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.2} | {:.2} | {:.2} | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.2} |",
             c.name,
-            fi,
-            fis / 2.0,
-            si,
-            sis / 2.0,
-            qi,
-            qis / 2.0,
-            ai,
-            ais / 2.0,
-            ai / fi.max(1.0),
-            ai / fi.max(si).max(1.0),
-            ai / qi.max(1.0),
-            fp,
-            qp,
-            ap,
-            fc,
-            qc,
-            ac,
-            ac / qc.max(1.0)
+            f.iops,
+            f.spread,
+            fs.iops,
+            fs.spread,
+            q.iops,
+            q.spread,
+            a.iops,
+            a.spread,
+            a.iops / f.iops.max(1.0),
+            a.iops / f.iops.max(fs.iops).max(1.0),
+            a.iops / q.iops.max(1.0),
+            f.p99,
+            q.p99,
+            a.p99,
+            f.per_cpu,
+            q.per_cpu,
+            a.per_cpu,
+            a.per_cpu / q.per_cpu.max(1.0)
         );
     }
     Ok(())

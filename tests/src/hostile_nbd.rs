@@ -73,16 +73,41 @@ impl HostileNbd {
     }
 }
 
+/// One request's header: (type, cookie, offset, length).
+fn read_request(s: &mut UnixStream) -> std::io::Result<(u16, u64, u64, u32)> {
+    let mut h = [0u8; 28];
+    s.read_exact(&mut h)?;
+    Ok((
+        u16::from_be_bytes(h[6..8].try_into().unwrap()),
+        u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        u64::from_be_bytes(h[16..24].try_into().unwrap()),
+        u32::from_be_bytes(h[24..28].try_into().unwrap()),
+    ))
+}
+
+/// A structured reply chunk's header.
+fn chunk_header(cookie: u64, flags: u16, ctype: u16, clen: u32) -> Vec<u8> {
+    let mut r = STRUCTURED.to_be_bytes().to_vec();
+    r.extend_from_slice(&flags.to_be_bytes());
+    r.extend_from_slice(&ctype.to_be_bytes());
+    r.extend_from_slice(&cookie.to_be_bytes());
+    r.extend_from_slice(&clen.to_be_bytes());
+    r
+}
+
+/// A simple reply (error 0) to `cookie`.
+fn simple_ok(cookie: u64) -> Vec<u8> {
+    let mut r = SIMPLE.to_be_bytes().to_vec();
+    r.extend_from_slice(&0u32.to_be_bytes());
+    r.extend_from_slice(&cookie.to_be_bytes());
+    r
+}
+
 fn serve(mut s: UnixStream, size: u64, how: Behaviour) -> std::io::Result<()> {
     crate::nbd_server::handshake(&mut s, size, 1 | 4 | 8 | 32 | 64, true, &|_| true)?;
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     loop {
-        let mut h = [0u8; 28];
-        s.read_exact(&mut h)?;
-        let typ = u16::from_be_bytes(h[6..8].try_into().unwrap());
-        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
-        let off = u64::from_be_bytes(h[16..24].try_into().unwrap());
-        let len = u32::from_be_bytes(h[24..28].try_into().unwrap());
+        let (typ, cookie, off, len) = read_request(&mut s)?;
         if typ == 1 {
             let mut d = vec![0u8; len as usize];
             s.read_exact(&mut d)?;
@@ -90,20 +115,11 @@ fn serve(mut s: UnixStream, size: u64, how: Behaviour) -> std::io::Result<()> {
         if typ == 2 {
             return Ok(());
         }
-        let chunk = |flags: u16, ctype: u16, clen: u32| {
-            let mut r = STRUCTURED.to_be_bytes().to_vec();
-            r.extend_from_slice(&flags.to_be_bytes());
-            r.extend_from_slice(&ctype.to_be_bytes());
-            r.extend_from_slice(&cookie.to_be_bytes());
-            r.extend_from_slice(&clen.to_be_bytes());
-            r
-        };
+        let chunk = |flags: u16, ctype: u16, clen: u32| chunk_header(cookie, flags, ctype, clen);
         let out: Vec<u8> = match how {
             Behaviour::Silent => continue,
             Behaviour::SimpleDataRead => {
-                let mut r = SIMPLE.to_be_bytes().to_vec();
-                r.extend_from_slice(&0u32.to_be_bytes());
-                r.extend_from_slice(&cookie.to_be_bytes());
+                let mut r = simple_ok(cookie);
                 r.extend(std::iter::repeat_n(0x5a, len as usize));
                 r
             }
@@ -231,20 +247,8 @@ fn serve_awkward(mut s: UnixStream, size: u64) -> std::io::Result<()> {
     crate::nbd_server::handshake(&mut s, size, 1 | 4 | 8 | 32 | 64 | 128, true, &|_| true)?;
     let mut i = 0u64;
     loop {
-        let mut h = [0u8; 28];
-        s.read_exact(&mut h)?;
-        let typ = u16::from_be_bytes(h[6..8].try_into().unwrap());
-        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
-        let off = u64::from_be_bytes(h[16..24].try_into().unwrap());
-        let len = u32::from_be_bytes(h[24..28].try_into().unwrap());
-        let chunk = |flags: u16, ctype: u16, clen: u32| {
-            let mut r = STRUCTURED.to_be_bytes().to_vec();
-            r.extend_from_slice(&flags.to_be_bytes());
-            r.extend_from_slice(&ctype.to_be_bytes());
-            r.extend_from_slice(&cookie.to_be_bytes());
-            r.extend_from_slice(&clen.to_be_bytes());
-            r
-        };
+        let (typ, cookie, off, len) = read_request(&mut s)?;
+        let chunk = |flags: u16, ctype: u16, clen: u32| chunk_header(cookie, flags, ctype, clen);
         let data = |from: u64, n: u64| (from..from + n).map(awkward_byte).collect::<Vec<u8>>();
         match typ {
             0 => {
@@ -286,10 +290,7 @@ fn serve_awkward(mut s: UnixStream, size: u64) -> std::io::Result<()> {
             1 => {
                 let mut d = vec![0u8; len as usize];
                 s.read_exact(&mut d)?;
-                let mut r = SIMPLE.to_be_bytes().to_vec();
-                r.extend_from_slice(&0u32.to_be_bytes());
-                r.extend_from_slice(&cookie.to_be_bytes());
-                s.write_all(&r)?;
+                s.write_all(&simple_ok(cookie))?;
             }
             2 => return Ok(()),
             _ => s.write_all(&chunk(1, 0, 0))?,

@@ -73,17 +73,8 @@ enum Stage {
         len: u32,
         need: usize,
     },
-    /// A payload into guest pages: `need` bytes in all (the 8-byte prefix first when `check`
-    /// names the offset it must hold), `got` so far. Up to `trailing` bytes past `need` are
-    /// the next reply's header, received into the buffer.
-    Data {
-        slot: u32,
-        flags: u16,
-        need: u64,
-        got: u64,
-        check: Option<u64>,
-        trailing: usize,
-    },
+    /// A payload into guest pages.
+    Data(Payload),
     /// `left` bytes to discard (an unknown chunk's payload, an error message), keeping up
     /// to `keep` of them for the log; then the chunk ends with `err`.
     Skip {
@@ -93,6 +84,19 @@ enum Stage {
         keep: usize,
         err: i32,
     },
+}
+
+/// A payload on its way into guest pages: `need` bytes in all (the 8-byte prefix first when
+/// `check` names the offset it must hold), `got` so far. Up to `trailing` bytes past `need`
+/// are the next reply's header, received into the buffer.
+#[derive(Clone, Copy, Debug)]
+struct Payload {
+    slot: u32,
+    flags: u16,
+    need: u64,
+    got: u64,
+    check: Option<u64>,
+    trailing: usize,
 }
 
 /// The reply reader's state, owned by the queue's worker.
@@ -176,8 +180,8 @@ impl Rx {
                     self.start += need;
                     self.on_chunk(slot, part, flags, chunk, maxp, flight, min_hdr)?;
                 }
-                Stage::Data { .. } => {
-                    if !self.recv_data(fd, flight)? {
+                Stage::Data(p) => {
+                    if !self.recv_data(fd, p, flight)? {
                         return Ok(());
                     }
                 }
@@ -443,7 +447,7 @@ impl Rx {
         } else {
             0
         };
-        self.stage = Stage::Data {
+        let p = Payload {
             slot,
             flags,
             need,
@@ -451,26 +455,21 @@ impl Rx {
             check,
             trailing,
         };
+        self.stage = Stage::Data(p);
         if got >= need {
-            return self.finish_data(slot, flags, need, got, check, trailing, flight);
+            return self.finish_data(p, flight);
         }
         Ok(())
     }
 
     /// Receives a payload; false when the rest is not there yet.
-    fn recv_data(&mut self, fd: RawFd, flight: &mut Flight) -> Result<bool, ReplyError> {
-        let Stage::Data {
-            slot,
-            flags,
-            need,
-            mut got,
-            check,
-            trailing,
-        } = self.stage
-        else {
-            return Ok(true);
-        };
-        while got < need {
+    fn recv_data(
+        &mut self,
+        fd: RawFd,
+        mut p: Payload,
+        flight: &mut Flight,
+    ) -> Result<bool, ReplyError> {
+        while p.got < p.need {
             let n = (self.iov.len() - self.at).min(MAX_IOV);
             // SAFETY: msghdr is plain old data; all-zero is a valid (empty) value.
             let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -481,7 +480,7 @@ impl Rx {
             // start_data); all of it is ours to write until the read completes.
             let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
             if r > 0 {
-                got += r as u64;
+                p.got += r as u64;
                 self.at = consume_iov(&mut self.iov, self.at, r as usize);
                 continue;
             }
@@ -492,50 +491,33 @@ impl Rx {
             match e.kind() {
                 io::ErrorKind::Interrupted => continue,
                 io::ErrorKind::WouldBlock => {
-                    self.stage = Stage::Data {
-                        slot,
-                        flags,
-                        need,
-                        got,
-                        check,
-                        trailing,
-                    };
+                    self.stage = Stage::Data(p);
                     return Ok(false);
                 }
                 _ => return Err(ReplyError::Io(e)),
             }
         }
-        self.finish_data(slot, flags, need, got, check, trailing, flight)?;
+        self.finish_data(p, flight)?;
         Ok(true)
     }
 
-    #[allow(clippy::too_many_arguments)] // the Data stage's fields
-    fn finish_data(
-        &mut self,
-        slot: u32,
-        flags: u16,
-        need: u64,
-        got: u64,
-        check: Option<u64>,
-        trailing: usize,
-        flight: &mut Flight,
-    ) -> Result<(), ReplyError> {
-        if trailing > 0 {
+    fn finish_data(&mut self, p: Payload, flight: &mut Flight) -> Result<(), ReplyError> {
+        if p.trailing > 0 {
             // What came past the payload is the start of the next header, received at the
             // (then empty) buffer's start.
             self.start = 0;
-            self.end = (got - need) as usize;
+            self.end = (p.got - p.need) as usize;
         }
-        if let Some(off) = check {
+        if let Some(off) = p.check {
             let at = u64::from_be_bytes(*self.prefix);
             if at != off {
                 return Err(ReplyError::OutsideRequest {
                     offset: at,
-                    len: need - 8,
+                    len: p.need - 8,
                 });
             }
         }
-        self.end_chunk(slot, flags, 0, flight)
+        self.end_chunk(p.slot, p.flags, 0, flight)
     }
 
     /// A chunk of request `slot` ended; the reply too when `flags` says DONE.
