@@ -131,6 +131,8 @@ pub struct DriveStatus {
     /// release), in microseconds; 0 if none.
     #[serde(default)]
     pub switchover_stop_us: u64,
+    /// Pauses of the live switches from the qemu engine to direct, and the other way; a
+    /// drive taken from `held` (at start-up, or after a hold) counts in neither.
     pub pauses_to_direct: PauseStats,
     pub pauses_to_qemu: PauseStats,
     pub iops: f64,

@@ -150,7 +150,9 @@ impl ServeArgs {
             match (&self.image, &self.nbd_socket) {
                 (_, Some(sock)) => {
                     let export = self.nbd_export.clone().unwrap_or_default();
-                    let e = NbdEngine::connect(sock, &export)?;
+                    // One connection per queue now; a queue that opens again later (the
+                    // frontend reconnected) connects from a thread of its own.
+                    let e = NbdEngine::connect_ahead(sock, &export, usize::from(self.queues))?;
                     let size = e.info().size;
                     (Arc::new(e), size, sock.clone(), export)
                 }

@@ -168,9 +168,12 @@ impl Supervisor {
                 let us = rep.pause.as_micros() as u64;
                 {
                     let mut st = lock(&d.stats);
-                    match to {
-                        Target::Direct(_) => st.to_direct_us.push(us),
-                        Target::Qemu => st.to_qemu_us.push(us),
+                    // Per direction, the live switches between the two engines; a take from
+                    // held (start-up, or after a hold) paused nothing that ran.
+                    match (&to, from) {
+                        (_, EngineKind::Held) => {}
+                        (Target::Direct(_), _) => st.to_direct_us.push(us),
+                        (Target::Qemu, _) => st.to_qemu_us.push(us),
                     }
                     st.last_error = None;
                 }
