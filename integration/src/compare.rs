@@ -303,40 +303,20 @@ struct Cell {
 /// One qemu-storage-daemon on the server CPU serving one node (file, `cache.direct=on`,
 /// `aio=io_uring`, raw) in an iothread twice: QEMU's own vhost-user-blk export on `vu`, and
 /// an NBD export named `disk0` on `nbd` (what the VM's QEMU gives the qemu engine).
-fn qsd_both(o: &CompareOpts, vu: &Path, nbd: &Path, queues: usize) -> Result<Kill> {
-    let _ = std::fs::remove_file(vu);
-    let _ = std::fs::remove_file(nbd);
-    let c = Command::new("taskset")
-        .arg("-c")
-        .arg(o.server_cpu.to_string())
-        .arg("qemu-storage-daemon")
-        .args(["--object", "iothread,id=io0"])
-        .arg("--blockdev")
-        .arg(format!(
-            "driver=file,node-name=file0,filename={},cache.direct=on,aio=io_uring",
-            o.image.display()
-        ))
-        .args(["--blockdev", "driver=raw,node-name=disk0,file=file0"])
-        .arg("--export")
-        .arg(format!(
-            "type=vhost-user-blk,id=vu0,node-name=disk0,iothread=io0,addr.type=unix,addr.path={},writable=on,num-queues={queues}",
-            vu.display()
-        ))
-        .arg("--nbd-server")
-        .arg(format!("addr.type=unix,addr.path={}", nbd.display()))
-        .args([
-            "--export",
-            "type=nbd,id=nbd0,node-name=disk0,name=disk0,writable=on,iothread=io0",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("qemu-storage-daemon (integration/setup.sh)")?;
-    let k = Kill(c);
-    wait_socket(vu, Duration::from_secs(10))?;
-    wait_socket(nbd, Duration::from_secs(10))?;
-    Ok(k)
+fn qsd_both(o: &CompareOpts, vu: &Path, nbd: &Path, queues: usize) -> Result<Qsd> {
+    Qsd::start(
+        &o.image,
+        vu,
+        &QsdOptions {
+            queues: queues as u16,
+            aio_io_uring: true,
+            cpu: Some(o.server_cpu),
+            iothread: true,
+            nbd: Some(nbd.to_path_buf()),
+            ..Default::default()
+        },
+    )
+    .context("qemu-storage-daemon")
 }
 
 struct EngineCell {
@@ -372,7 +352,7 @@ fn compare_qemu_engine(o: &CompareOpts) -> Result<()> {
                 for _ in 0..o.runs {
                     {
                         let qsd = qsd_both(o, &vu, &nbd, q)?;
-                        let qpid = qsd.0.id();
+                        let qpid = qsd.pid();
                         c.export.push(client(o, &vu, &[qpid], rw, d, q)?);
                         let what = [
                             "--nbd-socket".to_string(),

@@ -218,6 +218,11 @@ pub struct QsdOptions {
     pub aio_io_uring: bool,
     /// Pin to this CPU (taskset).
     pub cpu: Option<usize>,
+    /// Serve the exports from an iothread instead of the main loop.
+    pub iothread: bool,
+    /// Also export the node over NBD (named `disk0`, writable) on this unix socket: what the
+    /// VM's QEMU gives a drive on the qemu engine.
+    pub nbd: Option<PathBuf>,
 }
 
 impl Default for QsdOptions {
@@ -228,6 +233,8 @@ impl Default for QsdOptions {
             logical_block_size: 512,
             aio_io_uring: false,
             cpu: None,
+            iothread: false,
+            nbd: None,
         }
     }
 }
@@ -237,10 +244,13 @@ impl Default for QsdOptions {
 pub struct Qsd(std::process::Child);
 
 impl Qsd {
-    /// Starts it and returns once its socket accepts connections.
+    /// Starts it and returns once its sockets accept connections.
     pub fn start(image: &Path, socket: &Path, o: &QsdOptions) -> std::io::Result<Self> {
         use std::process::{Command, Stdio};
         let _ = std::fs::remove_file(socket);
+        if let Some(nbd) = &o.nbd {
+            let _ = std::fs::remove_file(nbd);
+        }
         let mut c = match o.cpu {
             Some(cpu) => {
                 let mut c = Command::new("taskset");
@@ -249,6 +259,10 @@ impl Qsd {
             }
             None => Command::new("qemu-storage-daemon"),
         };
+        let iothread = if o.iothread { ",iothread=io0" } else { "" };
+        if o.iothread {
+            c.args(["--object", "iothread,id=io0"]);
+        }
         c.arg("--blockdev")
             .arg(format!(
                 "driver=file,node-name=file0,filename={},cache.direct=on{}",
@@ -258,13 +272,22 @@ impl Qsd {
             .args(["--blockdev", "driver=raw,node-name=disk0,file=file0"])
             .arg("--export")
             .arg(format!(
-                "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path={},writable={},num-queues={},logical-block-size={}",
+                "type=vhost-user-blk,id=exp0,node-name=disk0{iothread},addr.type=unix,addr.path={},writable={},num-queues={},logical-block-size={}",
                 socket.display(),
                 if o.writable { "on" } else { "off" },
                 o.queues,
                 o.logical_block_size
-            ))
-            .stdin(Stdio::null())
+            ));
+        if let Some(nbd) = &o.nbd {
+            c.arg("--nbd-server")
+                .arg(format!("addr.type=unix,addr.path={}", nbd.display()))
+                .arg("--export")
+                .arg(format!(
+                    "type=nbd,id=nbd0,node-name=disk0,name=disk0,writable={}{iothread}",
+                    if o.writable { "on" } else { "off" }
+                ));
+        }
+        c.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
         let child = c.spawn().map_err(|e| {
@@ -275,6 +298,9 @@ impl Qsd {
         })?;
         let q = Qsd(child);
         wait_socket(socket, std::time::Duration::from_secs(10))?;
+        if let Some(nbd) = &o.nbd {
+            wait_socket(nbd, std::time::Duration::from_secs(10))?;
+        }
         Ok(q)
     }
 

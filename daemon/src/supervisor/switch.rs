@@ -118,7 +118,8 @@ impl Supervisor {
             }
             _ => None,
         };
-        let direct_prepared = prepared.is_some() && matches!(to, Target::Direct(_));
+        let was_prepared = prepared.is_some();
+        let direct_prepared = was_prepared && matches!(to, Target::Direct(_));
         // The queues' contexts on a prepared engine too (io_uring rings, NBD queues on the
         // connections made ahead): the pause then does not wait for their set-up. If they
         // cannot be opened now, the resume opens them and says why.
@@ -130,7 +131,7 @@ impl Supervisor {
             Err(e) => {
                 // A prepared direct engine just closes (dropped here); the qemu engine still
                 // serves. A prepared qemu engine's export and nodes go.
-                if prepared.is_some() && !direct_prepared {
+                if was_prepared && !direct_prepared {
                     self.unprepare_qemu(d, qmp).await;
                 }
                 return Err(e.into());
@@ -141,13 +142,12 @@ impl Supervisor {
         // be brought up (QEMU's nodes may need the image), after the resume when it was
         // prepared (both already share the image, and the old one is idle once drained).
         let old = drive.engine();
-        if prepared.is_none() {
+        if !was_prepared {
             old.release();
         }
         let released = paused.elapsed();
         // A prepared direct engine shows in status once QEMU's export and nodes are gone
         // (finish_direct).
-        let prepared_release = prepared.is_some();
         let up = match prepared {
             Some(e) => Ok(e),
             None => self.bring_up(vm, d, qmp, &to).await,
@@ -160,7 +160,7 @@ impl Supervisor {
             },
             Err(e) => Err((paused, e)),
         };
-        if prepared_release {
+        if was_prepared {
             old.release();
         }
         match res {

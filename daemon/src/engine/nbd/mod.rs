@@ -148,6 +148,20 @@ impl NbdStats {
     }
 }
 
+/// One more connection to `export`, which must still hold `size` bytes.
+fn connect_link(path: &Path, export: &str, size: u64) -> Result<Link, NbdError> {
+    let (sock, info) = connect(path, export)?;
+    if info.size != size {
+        disconnect(&sock);
+        return Err(NbdError::SizeChanged {
+            export: export.to_string(),
+            was: size,
+            now: info.size,
+        });
+    }
+    Ok(Link { sock, info })
+}
+
 /// The qemu engine: one NBD connection per queue to one export.
 pub struct NbdEngine {
     path: PathBuf,
@@ -173,30 +187,18 @@ impl NbdEngine {
     pub fn connect_ahead(path: &Path, export: &str, queues: usize) -> Result<Self, NbdError> {
         let (s, info) = connect(path, export)?;
         let mut ready = Vec::new();
-        let close_all = |ready: &mut Vec<Link>| {
-            for l in ready.drain(..) {
-                disconnect(&l.sock);
-            }
-        };
         if queues == 0 {
             disconnect(&s);
         } else {
             ready.push(Link { sock: s, info });
         }
         while ready.len() < queues {
-            match connect(path, export) {
-                Ok((sock, i)) if i.size == info.size => ready.push(Link { sock, info: i }),
-                Ok((sock, i)) => {
-                    disconnect(&sock);
-                    close_all(&mut ready);
-                    return Err(NbdError::SizeChanged {
-                        export: export.to_string(),
-                        was: info.size,
-                        now: i.size,
-                    });
-                }
+            match connect_link(path, export, info.size) {
+                Ok(l) => ready.push(l),
                 Err(e) => {
-                    close_all(&mut ready);
+                    for l in ready.drain(..) {
+                        disconnect(&l.sock);
+                    }
                     return Err(e);
                 }
             }

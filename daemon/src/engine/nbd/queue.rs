@@ -126,6 +126,13 @@ pub(super) struct Flight {
 }
 
 impl Flight {
+    /// Request `slot`, which a reply names.
+    pub(super) fn get(&self, slot: u32) -> Result<&Pending, reply::ReplyError> {
+        self.inflight
+            .get(&slot)
+            .ok_or(reply::ReplyError::UnknownSlot(slot))
+    }
+
     /// One part of request `slot` finished with `err` (0: success).
     pub(super) fn part_done(&mut self, slot: u32, err: i32) -> Result<(), reply::ReplyError> {
         let p = self

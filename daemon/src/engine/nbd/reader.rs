@@ -22,30 +22,22 @@ use std::sync::atomic::Ordering;
 
 use tracing::debug;
 
-use super::handshake::{connect, disconnect};
-use super::queue::{Conn, Flight, Link};
+use super::handshake::disconnect;
+use super::queue::{Conn, Flight};
 use super::reply::{self, Chunk, ReplyError, ReplyHeader};
 use super::*;
 use crate::guest_mem::{consume_iov, sub_iovecs, MAX_IOV};
 
 /// The connecting thread: connects, hands the socket to the worker, and ends.
 pub(super) fn connect_thread(conn: &Conn, path: &Path, export: &str, want: ExportInfo) {
-    let (sock, info) = match connect(path, export) {
-        Ok(x) => x,
+    let link = match connect_link(path, export, want.size) {
+        Ok(l) => l,
+        Err(e @ NbdError::SizeChanged { .. }) => return conn.set_failed(e.to_string()),
         Err(e) => {
             return conn.set_failed(format!("cannot connect: {}", crate::error_chain(&e)));
         }
     };
-    if info.size != want.size {
-        disconnect(&sock);
-        let e = NbdError::SizeChanged {
-            export: export.to_string(),
-            was: want.size,
-            now: info.size,
-        };
-        return conn.set_failed(e.to_string());
-    }
-    let _ = conn.link.set(Link { sock, info });
+    let _ = conn.link.set(link);
     conn.stats.connections.fetch_add(1, Ordering::Relaxed);
     if conn.closing.load(Ordering::Relaxed) {
         if let Some(l) = conn.link.get() {
@@ -270,10 +262,7 @@ impl Rx {
         let part = h.cookie() & 0xffff_ffff;
         match h {
             ReplyHeader::Simple { error, .. } => {
-                let p = flight
-                    .inflight
-                    .get(&slot)
-                    .ok_or(ReplyError::UnknownSlot(slot))?;
+                let p = flight.get(slot)?;
                 if !(p.read && error == 0) {
                     return flight.part_done(slot, reply::nbd_errno(error));
                 }
@@ -291,10 +280,7 @@ impl Rx {
             } => {
                 let need = reply::chunk_prefix_len(typ, len)?;
                 if typ == REPLY_TYPE_OFFSET_DATA {
-                    let p = flight
-                        .inflight
-                        .get(&slot)
-                        .ok_or(ReplyError::UnknownSlot(slot))?;
+                    let p = flight.get(slot)?;
                     let (off, plen) = part_range(p.offset, p.len, part, maxp);
                     if p.read && plen > 0 && u64::from(len) == 8 + plen {
                         // The chunk covers the whole part, so it starts at the part's
@@ -390,10 +376,7 @@ impl Rx {
         len: u64,
         maxp: u64,
     ) -> Result<(), ReplyError> {
-        let p = flight
-            .inflight
-            .get(&slot)
-            .ok_or(ReplyError::UnknownSlot(slot))?;
+        let p = flight.get(slot)?;
         if !p.read {
             return Err(ReplyError::NoData);
         }
