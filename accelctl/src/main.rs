@@ -228,6 +228,7 @@ fn main() -> ExitCode {
                 ErrorKind::Invalid => 2,
                 ErrorKind::NotFound => 3,
                 ErrorKind::Exists => 4,
+                ErrorKind::Denied => 6,
             })
         }
         Err(Fail::Unreachable(m)) => {

@@ -398,3 +398,46 @@ fn convert_fills_an_empty_emulator_and_refuses_a_cut_domain() {
     assert!(convert(cut, "/x").is_err());
     assert!(facts(cut).is_err());
 }
+
+#[test]
+fn the_hook_reads_qemus_user_and_the_domains_images() {
+    // As libvirt 11.3's `start` hook gets it: a dynamic DAC label, a disk with a backing
+    // chain, a cdrom, a network disk (no image), and a disk's own seclabel (not QEMU's user).
+    let xml = r#"<domain type='qemu' id='3'>
+  <name>web</name>
+  <devices>
+    <emulator>/usr/bin/accel-qemu</emulator>
+    <disk type='file' device='disk'>
+      <source file='/var/lib/img/top.qcow2' index='2'>
+        <seclabel model='dac' relabel='no'/>
+      </source>
+      <backingStore type='file' index='1'><format type='raw'/><source file='/var/lib/img/base.raw'/></backingStore>
+      <target dev='vda' bus='virtio'/>
+    </disk>
+    <disk type='block' device='cdrom'><source dev='/dev/sr0'/><target dev='sda'/></disk>
+    <disk type='network' device='disk'><source protocol='nbd' name='x'><host name='h'/></source></disk>
+    <interface type='user'><source network='default'/></interface>
+  </devices>
+  <seclabel type='dynamic' model='dac' relabel='yes'><label>+64055:+107</label><imagelabel>+64055:+107</imagelabel></seclabel>
+</domain>"#;
+    let f = facts(xml).unwrap();
+    assert_eq!(f.dac_label.as_deref(), Some("+64055:+107"));
+    assert_eq!(
+        f.images,
+        [
+            "/var/lib/img/top.qcow2",
+            "/var/lib/img/base.raw",
+            "/dev/sr0"
+        ]
+    );
+    use accelctl::libvirt::hook::parse_dac_label;
+    assert_eq!(parse_dac_label("+64055:+107"), Ok((64055, 107)));
+    assert_eq!(parse_dac_label("root:root"), Ok((0, 0)));
+    assert_eq!(parse_dac_label("+5:root"), Ok((5, 0)));
+    assert!(parse_dac_label("nosuchuser-accel:+1").is_err());
+    assert!(parse_dac_label("+64055").is_err());
+    assert!(parse_dac_label("+x:+1").is_err());
+    // Another model's label is not QEMU's user.
+    let selinux = xml.replace("model='dac' relabel='yes'", "model='selinux' relabel='yes'");
+    assert_eq!(facts(&selinux).unwrap().dac_label, None);
+}

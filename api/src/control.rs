@@ -427,6 +427,18 @@ pub enum Request {
         #[serde(default = "default_memory")]
         memory: String,
     },
+    /// Let QEMU's user (`uid`, `gid`) register the VM itself (libvirt's hook, for a QEMU that
+    /// does not run as root): acceld makes `RUN_DIR/VM/` that user's and serves
+    /// `RUN_DIR/VM/control.sock` for it, which takes `register` (of this VM, with its QMP at
+    /// `RUN_DIR/VM/qemu-qmp.sock` and only the `images` named here), `unregister` and
+    /// `status` of this VM and nothing else. The VM's sockets are then that user's.
+    /// `unregister` of the VM ends the permit.
+    Permit {
+        vm: String,
+        uid: u32,
+        gid: u32,
+        images: Vec<PathBuf>,
+    },
 }
 
 fn default_memory() -> String {
@@ -445,6 +457,8 @@ pub enum ErrorKind {
     Exists,
     /// The operation was tried and failed (QMP, switch, I/O); nothing was left half done.
     Failed,
+    /// Not allowed to this client (a VM's own control socket takes only that VM's requests).
+    Denied,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

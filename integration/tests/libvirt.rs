@@ -4,7 +4,8 @@
 //! uses on the disk: start, domblklist, dumpxml, domblkstat, domblkinfo, blkdeviotune,
 //! snapshot-create-as --disk-only, blockcommit --active --pivot, blockresize, domblkthreshold,
 //! save, restore,
-//! a libvirtd restart, an acceld restart, the guest's own poweroff. CI starts virtlogd and libvirtd (`.ci/run`);
+//! a libvirtd restart, an acceld restart, the guest's own poweroff; with QEMU as root (the
+//! domain's DAC label) and as libvirt-qemu (qemu.conf's). CI starts virtlogd and libvirtd (`.ci/run`);
 //! `ACCEL_LIBVIRT_TESTS=0` leaves the test out on a machine without them.
 
 use std::io::{BufRead, BufReader, Write};
@@ -154,9 +155,55 @@ fn ops(dom: &str) -> Result<u64> {
     Ok(stat(dom, "rd_req")? + stat(dom, "wr_req")?)
 }
 
-fn domain_xml(dir: &Path, img: &Path, kernel: &Path, initrd: &Path) -> String {
+/// QEMU's user for a scenario: `libvirt-qemu` (qemu.conf's, Debian's default; libvirt-up.sh
+/// keeps it), or root through the domain's own DAC label.
+#[derive(Clone, Copy)]
+struct QemuUser {
+    uid: u32,
+    gid: u32,
+}
+
+fn libvirt_qemu() -> Result<QemuUser> {
+    let id = |flag: &str| -> Result<u32> {
+        let out = Command::new("id").args([flag, "libvirt-qemu"]).output()?;
+        if !out.status.success() {
+            bail!("no user libvirt-qemu (libvirt-daemon-system makes it)");
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
+    };
+    Ok(QemuUser {
+        uid: id("-u")?,
+        gid: id("-g")?,
+    })
+}
+
+/// The uid QEMU of `dom` runs as (libvirt's pid file).
+fn qemu_uid(dom: &str) -> Result<u32> {
+    let pid = std::fs::read_to_string(format!("/run/libvirt/qemu/{dom}.pid"))?;
+    let st = std::fs::read_to_string(format!("/proc/{}/status", pid.trim()))?;
+    st.lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().nth(1)?.parse().ok())
+        .ok_or_else(|| anyhow!("no effective Uid in /proc/{}/status", pid.trim()))
+}
+
+fn domain_xml(
+    dir: &Path,
+    img: &Path,
+    kernel: &Path,
+    initrd: &Path,
+    user: Option<QemuUser>,
+) -> String {
     let script = writer_script("/dev/vda", 16, 64);
     let cmd = base64(script.as_bytes());
+    // Root asks for itself; libvirt-qemu is qemu.conf's user (a dynamic label).
+    let seclabel = match user {
+        Some(_) => String::new(),
+        None => {
+            "  <seclabel type='static' model='dac' relabel='yes'><label>+0:+0</label></seclabel>\n"
+                .into()
+        }
+    };
     format!(
         r#"<domain type='qemu'>
   <name>{DOM}</name>
@@ -182,7 +229,7 @@ fn domain_xml(dir: &Path, img: &Path, kernel: &Path, initrd: &Path) -> String {
     <serial type='unix'><source mode='bind' path='{}/serial.sock'/><target port='0'/></serial>
     <memballoon model='none'/>
   </devices>
-</domain>
+{seclabel}</domain>
 "#,
         kernel.display(),
         initrd.display(),
@@ -254,18 +301,48 @@ fn vm_known(acc: &AcceldRun) -> Result<bool> {
         .is_some_and(|v| v.iter().any(|x| x["vm"] == DOM)))
 }
 
+/// The scenarios share libvirtd, the hook and the domain's name: one at a time.
+static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn virsh_manages_an_accelerated_domain() -> Result<()> {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    scenario(None)
+}
+
+/// The same with QEMU as `libvirt-qemu` (qemu.conf's user, Debian's default): the hook's
+/// permit lets the wrapper register, the VM's sockets are that user's.
+#[test]
+fn virsh_manages_an_accelerated_domain_whose_qemu_is_not_root() -> Result<()> {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    if std::env::var("ACCEL_LIBVIRT_TESTS").as_deref() == Ok("0") {
+        eprintln!("ACCEL_LIBVIRT_TESTS=0: libvirt test left out");
+        return Ok(());
+    }
+    scenario(Some(libvirt_qemu()?))
+}
+
+fn scenario(user: Option<QemuUser>) -> Result<()> {
     if std::env::var("ACCEL_LIBVIRT_TESTS").as_deref() == Ok("0") {
         eprintln!("ACCEL_LIBVIRT_TESTS=0: libvirt test left out");
         return Ok(());
     }
     virsh(&["version"]).context("libvirtd must run (virtlogd -d; libvirtd -d), as .ci/run does")?;
-    let (kernel, initrd) = ensure_guest()?;
+    let (mut kernel, mut initrd) = ensure_guest()?;
     let dir = tempfile::Builder::new()
         .prefix("accel-libvirt")
         .tempdir_in("/var/tmp")?;
     let d = dir.path();
+    if let Some(u) = user {
+        // QEMU's user makes its serial socket here and reads its own copy of the guest
+        // (libvirt relabels what the domain names; the shared build stays root's).
+        std::os::unix::fs::chown(d, Some(u.uid), Some(u.gid))?;
+        for f in [&mut kernel, &mut initrd] {
+            let to = d.join(f.file_name().unwrap());
+            std::fs::copy(&*f, &to)?;
+            *f = to;
+        }
+    }
     let img = d.join("disk.raw");
     std::fs::File::create(&img)?.set_len(64 << 20)?;
     let run = d.join("run");
@@ -295,7 +372,7 @@ fn virsh_manages_an_accelerated_domain() -> Result<()> {
 
     // Convert: the emulator and shared memfd memory, nothing else.
     let plain = d.join("plain.xml");
-    std::fs::write(&plain, domain_xml(d, &img, &kernel, &initrd))?;
+    std::fs::write(&plain, domain_xml(d, &img, &kernel, &initrd, user))?;
     let out = Command::new(accelctl_bin()?)
         .args(["libvirt", "convert"])
         .arg(&plain)
@@ -318,6 +395,16 @@ fn virsh_manages_an_accelerated_domain() -> Result<()> {
     let mut serial = Serial::connect(&d.join("serial.sock"))?;
     serial.wait_for("READY", Duration::from_secs(120))?;
     acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(60))?;
+    if let Some(u) = user {
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(qemu_uid(DOM)?, u.uid, "QEMU's user");
+        for s in [format!("{DRIVE}.sock"), "monitor.sock".into()] {
+            let m = std::fs::metadata(run.join(DOM).join(&s))?;
+            assert_eq!((m.uid(), m.mode() & 0o777), (u.uid, 0o600), "{s}");
+        }
+    } else {
+        assert_eq!(qemu_uid(DOM)?, 0, "QEMU's user");
+    }
     let list = virsh(&["domblklist", DOM])?;
     assert!(
         list.contains("vda") && list.contains(img.to_str().unwrap()),

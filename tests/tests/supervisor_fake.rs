@@ -59,7 +59,7 @@ async fn switches_and_rollbacks_under_verified_load() {
     let spec = DriveSpec::parse(&format!("id=d0,image={},queues=2", image.display())).unwrap();
     let s2 = sup.clone();
     let qmp = fake.qmp_path.clone();
-    tokio::task::block_in_place(|| s2.register("vm".into(), qmp, vec![spec], false, false))
+    tokio::task::block_in_place(|| s2.register("vm".into(), qmp, vec![spec], false, false, None))
         .unwrap();
     let d = wait_engine(&sup, "direct").await;
     assert_eq!(d["device"], "vdisk", "{d}");

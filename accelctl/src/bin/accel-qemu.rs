@@ -107,9 +107,29 @@ fn monitor_listener(m: &Monitor) -> Result<UnixListener, String> {
     }
 }
 
+/// The control socket the wrapper registers through: acceld's own as root, else the VM's
+/// own, which acceld serves to QEMU's user once libvirt's hook asked for it (`start`).
+fn register_socket(conf: &WrapperConf, vm: &str) -> Result<PathBuf, String> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid == 0 {
+        return Ok(conf.control_socket());
+    }
+    let sock = conf.vm_control_socket(vm);
+    if !sock.exists() {
+        return Err(format!(
+            "QEMU runs as uid {euid} and acceld serves no control socket for VM {vm} ({}): \
+             libvirt's accel hook asks acceld for one when the domain starts \
+             (accelctl libvirt install, then restart libvirtd)",
+            sock.display()
+        ));
+    }
+    Ok(sock)
+}
+
 /// Registers the VM with acceld (its drives are served from here on).
 fn register(conf: &WrapperConf, p: &Plan) -> Result<(), String> {
-    let sock = conf.control_socket();
+    let sock = register_socket(conf, &p.vm)?;
     let req = Request::Register {
         vm: p.vm.clone(),
         qmp: p.qmp.clone(),
@@ -130,7 +150,7 @@ fn register(conf: &WrapperConf, p: &Plan) -> Result<(), String> {
         // A registration left from a VM of this name whose QEMU is gone (libvirt runs one
         // QEMU per domain; a lost `release` leaves one): replace it, unless acceld is
         // attached to a QEMU of that name.
-        if conf.vm_status(&p.vm, REGISTER).is_some_and(|v| v.attached) {
+        if WrapperConf::vm_status_at(&sock, &p.vm, REGISTER).is_some_and(|v| v.attached) {
             return Err(format!(
                 "acceld serves a running VM named {} already (its QEMU is attached)",
                 p.vm

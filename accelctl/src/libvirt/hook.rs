@@ -71,6 +71,77 @@ fn start_acceld(conf: &WrapperConf, bin: &Path) -> Result<(), String> {
     ))
 }
 
+/// QEMU's `uid:gid` from a DAC label (`+64055:+64055`, or user and group names).
+pub fn parse_dac_label(label: &str) -> Result<(u32, u32), String> {
+    let (u, g) = label
+        .split_once(':')
+        .ok_or_else(|| format!("DAC label '{label}' is not USER:GROUP"))?;
+    let uid = match u.strip_prefix('+') {
+        Some(n) => n.parse().ok(),
+        None => lookup_id(u, false),
+    }
+    .ok_or_else(|| format!("DAC label '{label}': no user '{u}'"))?;
+    let gid = match g.strip_prefix('+') {
+        Some(n) => n.parse().ok(),
+        None => lookup_id(g, true),
+    }
+    .ok_or_else(|| format!("DAC label '{label}': no group '{g}'"))?;
+    Ok((uid, gid))
+}
+
+/// A user's (or a group's) id by name, through the C library (NSS included).
+fn lookup_id(name: &str, group: bool) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0 as libc::c_char; 1 << 16];
+    if group {
+        // SAFETY: all-zero is a valid `group` (null pointers, zero id) for getgrnam_r to fill.
+        let mut gr: libc::group = unsafe { std::mem::zeroed() };
+        let mut out: *mut libc::group = std::ptr::null_mut();
+        // SAFETY: `c` is NUL-terminated; `gr`, `buf` (with its length) and `out` are valid for
+        // writes for the whole call; the strings it stores point into `buf`, unused after.
+        let r =
+            unsafe { libc::getgrnam_r(c.as_ptr(), &mut gr, buf.as_mut_ptr(), buf.len(), &mut out) };
+        (r == 0 && !out.is_null()).then_some(gr.gr_gid)
+    } else {
+        // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids) for getpwnam_r to fill.
+        let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut out: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: as for getgrnam_r above.
+        let r =
+            unsafe { libc::getpwnam_r(c.as_ptr(), &mut pw, buf.as_mut_ptr(), buf.len(), &mut out) };
+        (r == 0 && !out.is_null()).then_some(pw.pw_uid)
+    }
+}
+
+/// `start`: when QEMU will not run as root, asks acceld to let QEMU's user register the VM
+/// (its own control socket, its sockets that user's, only the domain's images).
+fn permit(sock: &Path, vm: &str, facts: &xml::DomainFacts) -> Result<(), String> {
+    let Some(label) = facts.dac_label.as_deref() else {
+        return Ok(());
+    };
+    let (uid, gid) = parse_dac_label(label)?;
+    if uid == 0 || facts.images.is_empty() {
+        return Ok(());
+    }
+    let req = Request::Permit {
+        vm: vm.to_string(),
+        uid,
+        gid,
+        images: facts.images.iter().map(Into::into).collect(),
+    };
+    match control::call(sock, &req, CALL) {
+        Ok(r) if r.ok => Ok(()),
+        Ok(r) => Err(format!(
+            "acceld refused to let uid {uid} register {vm}: {}",
+            r.error.unwrap_or_default()
+        )),
+        Err(e) => Err(format!(
+            "acceld is not reachable ({}): QEMU as uid {uid} cannot register {vm}",
+            accel_api::error_chain(&e)
+        )),
+    }
+}
+
 /// Runs the hook for `op` with the domain XML `input`.
 pub fn run(conf: &WrapperConf, args: &[String], input: &str) -> HookResult {
     let mut res = HookResult::default();
@@ -115,6 +186,11 @@ pub fn run(conf: &WrapperConf, args: &[String], input: &str) -> HookResult {
                         facts.name
                     ))
                 }
+            }
+        }
+        "start" => {
+            if let Err(e) = permit(&sock, &vm, &facts) {
+                res.error = Some(format!("accel: {e}"));
             }
         }
         "release" => match control::call(&sock, &Request::Unregister { vm: vm.clone() }, CALL) {

@@ -115,14 +115,21 @@ impl WrapperConf {
         self.run_dir.join("acceld.sock")
     }
 
+    /// The VM's own control socket: acceld serves it to QEMU's user while the hook's permit
+    /// lasts (QEMU not running as root).
+    pub fn vm_control_socket(&self, vm: &str) -> PathBuf {
+        self.run_dir.join(vm).join("control.sock")
+    }
+
     /// acceld's status of the VM, if acceld answers and has it.
     pub fn vm_status(&self, vm: &str, timeout: std::time::Duration) -> Option<VmStatus> {
-        let r = accel_api::control::call(
-            &self.control_socket(),
-            &accel_api::control::Request::Status,
-            timeout,
-        )
-        .ok()?;
+        Self::vm_status_at(&self.control_socket(), vm, timeout)
+    }
+
+    /// The VM's status as the control socket `sock` answers it.
+    pub fn vm_status_at(sock: &Path, vm: &str, timeout: std::time::Duration) -> Option<VmStatus> {
+        let r =
+            accel_api::control::call(sock, &accel_api::control::Request::Status, timeout).ok()?;
         let st: Status = serde_json::from_value(r.result?).ok()?;
         st.vms.into_iter().find(|v| v.vm == vm)
     }

@@ -21,6 +21,11 @@ pub struct DomainFacts {
     pub name: String,
     pub uuid: Option<String>,
     pub emulator: Option<String>,
+    /// The text of the domain's `<seclabel model='dac'><label>` (`+UID:+GID`, or names):
+    /// who QEMU runs as. libvirt puts it in the XML of the `start` hook and later ones.
+    pub dac_label: Option<String>,
+    /// Every image a disk names (`<source file=…>` or `dev=…`, backing chain included).
+    pub images: Vec<String>,
 }
 
 fn parse_err(e: impl std::fmt::Display) -> XmlError {
@@ -31,11 +36,32 @@ fn name_of(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// The domain's name, UUID and emulator.
+fn attr(e: &BytesStart<'_>, key: &str) -> Option<String> {
+    e.attributes()
+        .flatten()
+        .find(|a| a.key.as_ref() == key.as_bytes())
+        .and_then(|a| a.unescape_value().ok().map(|v| v.into_owned()))
+}
+
+/// Images a `<source>` element names, if it is a disk's (or its backing chain's).
+fn disk_source(path: &[String], e: &BytesStart<'_>, f: &mut DomainFacts) {
+    let in_disk = path.len() >= 3 && path[1] == "devices" && path[2] == "disk";
+    if in_disk && e.name().as_ref() == b"source" {
+        if let Some(v) = attr(e, "file").or_else(|| attr(e, "dev")) {
+            if !f.images.contains(&v) {
+                f.images.push(v);
+            }
+        }
+    }
+}
+
+/// The domain's name, UUID, emulator, DAC label and disk images.
 pub fn facts(xml: &str) -> Result<DomainFacts, XmlError> {
     let mut r = Reader::from_str(xml);
     let mut path: Vec<String> = Vec::new();
     let mut f = DomainFacts::default();
+    // Inside the domain's `<seclabel model='dac'>`.
+    let mut dac = false;
     loop {
         match r.read_event().map_err(parse_err)? {
             Event::Start(e) => {
@@ -43,8 +69,13 @@ pub fn facts(xml: &str) -> Result<DomainFacts, XmlError> {
                 if path.is_empty() && n != "domain" {
                     return Err(XmlError::NotDomain(n));
                 }
+                if path.len() == 1 && n == "seclabel" {
+                    dac = attr(&e, "model").as_deref() == Some("dac");
+                }
+                disk_source(&path, &e, &mut f);
                 path.push(n);
             }
+            Event::Empty(e) => disk_source(&path, &e, &mut f),
             Event::End(_) => {
                 path.pop();
             }
@@ -59,6 +90,7 @@ pub fn facts(xml: &str) -> Result<DomainFacts, XmlError> {
                     ["domain", "name"] => f.name = text,
                     ["domain", "uuid"] => f.uuid = Some(text),
                     ["domain", "devices", "emulator"] => f.emulator = Some(text),
+                    ["domain", "seclabel", "label"] if dac => f.dac_label = Some(text),
                     _ => {}
                 }
             }

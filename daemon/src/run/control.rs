@@ -1,13 +1,27 @@
 //! The control socket's requests (`accel_api::control`): one JSON object per line, answered
-//! by the supervisor.
+//! by the supervisor. acceld's own socket (root's) takes every request; a VM's own socket
+//! (`RUN_DIR/VM/control.sock`, served to QEMU's user while the VM has a permit) takes only
+//! that VM's `register`, `unregister` and `status`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::UnixStream;
+use tokio::net::{UnixListener, UnixStream};
+use tracing::{info, warn};
 
 use crate::control::{ErrorKind, Reply, Request};
-use crate::supervisor::{SupError, Supervisor};
+use crate::supervisor::{Owner, SupError, Supervisor};
+use crate::util::LogLimit;
+
+/// Which socket a client came on.
+#[derive(Clone, Debug)]
+pub(super) enum Scope {
+    /// acceld's own control socket (root only).
+    Root,
+    /// The VM's own socket.
+    Vm(String),
+}
 
 /// Longest request line; a client that sends more gets an error and is disconnected.
 pub const MAX_REQUEST: usize = 1 << 20;
@@ -18,7 +32,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, Reply> {
         .map_err(|e| Reply::err(ErrorKind::Invalid, format!("bad request: {e}")))
 }
 
-pub(super) async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>) {
+pub(super) async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>, scope: Scope) {
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r);
     let mut line = Vec::new();
@@ -43,7 +57,10 @@ pub(super) async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>) {
             )
         } else {
             match parse_request(&line) {
-                Ok(req) => dispatch(&sup, req).await,
+                Ok(req) => match &scope {
+                    Scope::Root => dispatch(&sup, req).await,
+                    Scope::Vm(vm) => dispatch_vm(&sup, vm, req).await,
+                },
                 Err(reply) => reply,
             }
         };
@@ -70,10 +87,31 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
         } => {
             let s = sup.clone();
             json(tokio::task::block_in_place(move || {
-                s.register(vm, qmp, drives, cont, incoming)
+                s.register(vm, qmp, drives, cont, incoming, None)
             }))
         }
-        Request::Unregister { vm } => json(sup.unregister(&vm).await),
+        Request::Unregister { vm } => json(sup.unregister(&vm, false).await),
+        Request::Permit {
+            vm,
+            uid,
+            gid,
+            images,
+        } => {
+            let r = sup.permit(&vm, Owner { uid, gid }, &images);
+            if let Ok(p) = &r {
+                // Bound before the reply: the wrapper may connect as soon as the hook returns.
+                match bind_vm_socket(&p.socket, Owner { uid, gid }) {
+                    Ok(l) => {
+                        tokio::spawn(serve_vm_socket(sup.clone(), vm, p.generation, l));
+                    }
+                    Err(e) => {
+                        sup.end_permit_of(&vm);
+                        return Reply::err(ErrorKind::Failed, crate::error_chain(&e));
+                    }
+                }
+            }
+            json(r)
+        }
         Request::Migrate { vm, uri } => json(sup.migrate(&vm, &uri).await),
         Request::MigrationStatus { vm } => json(sup.migration_status(&vm).await),
         Request::MirrorTarget { vm, drive } => json(sup.mirror_target_export(&vm, &drive).await),
@@ -105,4 +143,134 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
         Ok(v) => Reply::ok(v),
         Err(e) => Reply::err(e.kind(), e.chain()),
     }
+}
+
+/// A request on VM `vm`'s own socket: its registration (checked against its permit), its
+/// unregistration (the wrapper replacing a lost one; the permit stays) and its status.
+pub async fn dispatch_vm(sup: &Arc<Supervisor>, vm: &str, req: Request) -> Reply {
+    let res = match req {
+        Request::Register {
+            vm: name,
+            qmp,
+            drives,
+            cont,
+            incoming,
+        } if name == vm => match sup.check_permitted(vm, &qmp, &drives) {
+            Ok(owner) => {
+                let s = sup.clone();
+                tokio::task::block_in_place(move || {
+                    s.register(name, qmp, drives, cont, incoming, Some(owner))
+                })
+                .map(|v| serde_json::to_value(v).expect("replies serialize"))
+            }
+            Err(e) => Err(e),
+        },
+        Request::Unregister { vm: name } if name == vm => sup
+            .unregister(vm, true)
+            .await
+            .map(|v| serde_json::to_value(v).expect("replies serialize")),
+        Request::Status => {
+            let mut st = sup.status();
+            st.vms.retain(|v| v.vm == vm);
+            Ok(serde_json::to_value(st).expect("replies serialize"))
+        }
+        _ => Err(SupError::Denied(format!(
+            "VM {vm}'s control socket takes only register, unregister and status of {vm}"
+        ))),
+    };
+    match res {
+        Ok(v) => Reply::ok(v),
+        Err(e) => Reply::err(e.kind(), e.chain()),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmSocketError {
+    #[error("cannot listen on {path}")]
+    Listen {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot give {path} to uid {uid}")]
+    Chown {
+        path: std::path::PathBuf,
+        uid: u32,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Binds the VM's own control socket, the owner's alone (0600).
+fn bind_vm_socket(path: &std::path::Path, owner: Owner) -> Result<UnixListener, VmSocketError> {
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::remove_file(path);
+    let l = UnixListener::bind(path).map_err(|source| VmSocketError::Listen {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| std::os::unix::fs::lchown(path, Some(owner.uid), Some(owner.gid)))
+        .map_err(|source| VmSocketError::Chown {
+            path: path.to_path_buf(),
+            uid: owner.uid,
+            source,
+        })?;
+    Ok(l)
+}
+
+/// Serves the VM's own control socket while its permit (this generation of it) lasts. Only
+/// the permit's user (or root) may talk on it, whatever the file's mode. (A boxed future: it
+/// spawns `handle_client`, whose `dispatch` spawns it.)
+fn serve_vm_socket(
+    sup: Arc<Supervisor>,
+    vm: String,
+    generation: u64,
+    l: UnixListener,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    Box::pin(serve_vm_socket_loop(sup, vm, generation, l))
+}
+
+async fn serve_vm_socket_loop(sup: Arc<Supervisor>, vm: String, generation: u64, l: UnixListener) {
+    let log = LogLimit::default();
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            r = l.accept() => match r {
+                Ok((stream, _)) => {
+                    let Some(p) = sup.permit_of(&vm).filter(|p| p.generation == generation) else {
+                        break;
+                    };
+                    match stream.peer_cred() {
+                        Ok(c) if c.uid() == 0 || c.uid() == p.owner.uid => {
+                            let (s, scope) = (sup.clone(), Scope::Vm(vm.clone()));
+                            tokio::spawn(async move { handle_client(stream, s, scope).await });
+                        }
+                        Ok(c) => {
+                            if let Some(n) = log.admit() {
+                                warn!(vm = %vm, uid = c.uid(), "VM control socket: refused a client of another user{}", crate::util::suppressed(n));
+                            }
+                        }
+                        Err(e) => {
+                            if let Some(n) = log.admit() {
+                                warn!(vm = %vm, "VM control socket: no peer credentials: {e}{}", crate::util::suppressed(n));
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    if let Some(n) = log.admit() {
+                        warn!(vm = %vm, "VM control socket accept: {e}{}", crate::util::suppressed(n));
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = tick.tick() => {
+                if sup.permit_of(&vm).is_none_or(|p| p.generation != generation) {
+                    break;
+                }
+            }
+        }
+    }
+    info!(vm = %vm, "VM control socket closed");
 }

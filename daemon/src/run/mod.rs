@@ -15,8 +15,8 @@ use crate::supervisor::{Config, SupError, Supervisor};
 mod control;
 mod metrics;
 
-use control::handle_client;
 pub use control::{dispatch, parse_request, MAX_REQUEST};
+use control::{handle_client, Scope};
 use metrics::serve_metrics;
 
 /// Run the supervisor daemon.
@@ -106,7 +106,9 @@ async fn run_async(cfg: Config) -> Result<(), RunError> {
     })?;
     {
         use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(&cfg.run_dir, std::fs::Permissions::from_mode(0o700));
+        // Traversable, not listable: QEMU's user reaches its VM's directory (permits);
+        // everything else in it is root's alone.
+        let _ = std::fs::set_permissions(&cfg.run_dir, std::fs::Permissions::from_mode(0o711));
     }
     let ctl_path = cfg.control_socket();
     if std::os::unix::net::UnixStream::connect(&ctl_path).is_ok() {
@@ -166,7 +168,7 @@ async fn run_async(cfg: Config) -> Result<(), RunError> {
             c = listener.accept() => match c {
                 Ok((stream, _)) => {
                     let s = sup.clone();
-                    tokio::spawn(async move { handle_client(stream, s).await });
+                    tokio::spawn(async move { handle_client(stream, s, Scope::Root).await });
                 }
                 Err(e) => warn!("control socket accept: {e}"),
             },

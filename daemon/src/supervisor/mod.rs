@@ -45,6 +45,7 @@ mod contract;
 mod drive_state;
 mod migration;
 mod observe;
+mod permit;
 mod persist;
 pub mod plan;
 mod qemu_graph;
@@ -54,6 +55,7 @@ mod switch;
 mod vm;
 
 pub use drive_state::{ManagedDrive, Recorded};
+pub use permit::{Owner, Permitted};
 pub use persist::PersistError;
 pub use vm::Vm;
 
@@ -122,6 +124,9 @@ pub enum SupError {
     NotFound(String),
     #[error("{0}")]
     Exists(String),
+    /// Not allowed through the socket it came on (a VM's own control socket).
+    #[error("{0}")]
+    Denied(String),
     #[error("VM {0} is not attached (no QMP connection yet)")]
     NotAttached(String),
     #[error("QMP {cmd} failed")]
@@ -160,6 +165,7 @@ impl SupError {
             }
             SupError::NotFound(_) => ErrorKind::NotFound,
             SupError::Exists(_) => ErrorKind::Exists,
+            SupError::Denied(_) => ErrorKind::Denied,
             _ => ErrorKind::Failed,
         }
     }
@@ -205,6 +211,8 @@ pub struct Supervisor {
     /// Set when acceld stops: VM tasks end without touching QEMU.
     stopping: AtomicBool,
     register_hook: Mutex<Option<RegisterHook>>,
+    /// VMs whose QEMU's user may register them (`permit.rs`).
+    permits: Mutex<BTreeMap<String, permit::Permit>>,
 }
 
 type RegisterHook = Box<dyn Fn(&str) + Send + Sync>;
@@ -217,6 +225,7 @@ impl Supervisor {
             save_lock: Mutex::new(()),
             stopping: AtomicBool::new(false),
             register_hook: Mutex::new(None),
+            permits: Mutex::new(BTreeMap::new()),
         })
     }
 

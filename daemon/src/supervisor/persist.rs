@@ -46,6 +46,9 @@ pub struct SavedVm {
     /// acceld turned QEMU's pause-before-switchover on (so it is acceld's to continue).
     #[serde(default)]
     pub pause_owned: bool,
+    /// QEMU's user, when it registered the VM through a permit (its sockets are theirs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<super::permit::Owner>,
     pub drives: Vec<SavedDrive>,
 }
 
@@ -80,12 +83,26 @@ pub enum PersistError {
 pub fn save(path: &Path, st: &SavedState) -> Result<(), PersistError> {
     let tmp = path.with_extension("tmp");
     let data = serde_json::to_vec_pretty(st).expect("state serializes");
-    std::fs::write(&tmp, data)
+    // Only root reads it: the run dir may be traversable by QEMU's user (permits).
+    write_private(&tmp, &data)
         .and_then(|_| std::fs::rename(&tmp, path))
         .map_err(|source| PersistError::Write {
             path: path.to_path_buf(),
             source,
         })
+}
+
+fn write_private(p: &Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(p)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    f.write_all(data)
 }
 
 /// The saved state; empty when there is no file yet.

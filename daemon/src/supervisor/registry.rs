@@ -53,7 +53,7 @@ impl Supervisor {
         let n = st.vms.len();
         for vm in st.vms {
             let name = vm.name.clone();
-            match self.register_inner(vm.name, vm.qmp, vm.cont, vm.incoming, vm.drives) {
+            match self.register_inner(vm.name, vm.qmp, vm.cont, vm.incoming, vm.owner, vm.drives) {
                 Ok(v) if vm.pause_owned => {
                     *lock(&v.pause_owner) = super::migration::PauseOwner::Restored;
                 }
@@ -71,6 +71,7 @@ impl Supervisor {
         drives: Vec<DriveSpec>,
         cont: bool,
         incoming: bool,
+        owner: Option<super::Owner>,
     ) -> Result<Registered, SupError> {
         check_id("VM name", &vm).map_err(|e| SupError::Invalid(e.0))?;
         if drives.is_empty() {
@@ -89,7 +90,7 @@ impl Supervisor {
             )));
         }
         let saved = drives.into_iter().map(SavedDrive::new).collect();
-        let vmr = self.register_inner(vm, qmp, cont, incoming, saved)?;
+        let vmr = self.register_inner(vm, qmp, cont, incoming, owner, saved)?;
         self.save();
         Ok(Registered {
             vm: vmr.name.clone(),
@@ -103,16 +104,17 @@ impl Supervisor {
         qmp: PathBuf,
         cont: bool,
         incoming: bool,
+        owner: Option<super::Owner>,
         drives: Vec<SavedDrive>,
     ) -> Result<Arc<Vm>, SupError> {
         if lock(&self.vms).contains_key(&name) {
             return Err(SupError::Exists(format!("VM {name} is already registered")));
         }
         let dir = self.cfg.run_dir.join(&name);
-        create_private_dir(&dir)?;
+        create_owned_dir(&dir, owner)?;
         let mut slots = BTreeMap::new();
         for sd in drives {
-            match self.start_drive(&dir, sd) {
+            match self.start_drive(&dir, sd, owner) {
                 Ok(s) => {
                     slots.insert(s.spec.id.clone(), s);
                 }
@@ -125,7 +127,7 @@ impl Supervisor {
             }
         }
         info!(vm = %name, drives = slots.len(), "registered");
-        let vm = Arc::new(Vm::new(name, qmp, cont, incoming, dir, slots));
+        let vm = Arc::new(Vm::new(name, qmp, cont, incoming, dir, owner, slots));
         lock(&self.vms).insert(vm.name.clone(), vm.clone());
         self.spawn_vm_task(&vm);
         if let Some(h) = lock(&self.register_hook).as_ref() {
@@ -134,7 +136,12 @@ impl Supervisor {
         Ok(vm)
     }
 
-    fn start_drive(&self, dir: &Path, sd: SavedDrive) -> Result<Arc<ManagedDrive>, SupError> {
+    fn start_drive(
+        &self,
+        dir: &Path,
+        sd: SavedDrive,
+        owner: Option<super::Owner>,
+    ) -> Result<Arc<ManagedDrive>, SupError> {
         let spec = sd.spec;
         if !spec.image.exists() {
             return Err(SupError::Invalid(format!(
@@ -213,6 +220,9 @@ impl Supervisor {
         }
         let server = Server::bind(&socket, drive.clone())?;
         set_mode(&socket, 0o600)?;
+        if let Some(o) = owner {
+            o.chown(&socket)?;
+        }
         let stop = server.shutdown_handle();
         let id = spec.id.clone();
         let mut server = server;
@@ -257,8 +267,16 @@ impl Supervisor {
         )))
     }
 
-    /// Hands the drives back to QEMU (when it is reachable) and stops serving them.
-    pub async fn unregister(self: &Arc<Self>, name: &str) -> Result<Unregistered, SupError> {
+    /// Hands the drives back to QEMU (when it is reachable) and stops serving them. Ends the
+    /// VM's permit unless `keep_permit` (the VM's own socket replacing a lost registration).
+    pub async fn unregister(
+        self: &Arc<Self>,
+        name: &str,
+        keep_permit: bool,
+    ) -> Result<Unregistered, SupError> {
+        if !keep_permit {
+            self.end_permit(name);
+        }
         let vm = self.vm(name)?;
         vm.stop_task();
         let mut handed = Vec::new();
@@ -284,15 +302,23 @@ impl Supervisor {
                 }
             }
         }
-        self.forget_vm(&vm);
+        self.forget_vm_keeping(&vm, keep_permit);
         Ok(Unregistered {
             vm: name.to_string(),
             nodes_restored: handed,
         })
     }
 
+    /// Stops serving the VM and ends its permit (QEMU is gone).
     pub(super) fn forget_vm(&self, vm: &Arc<Vm>) {
+        self.forget_vm_keeping(vm, false);
+    }
+
+    fn forget_vm_keeping(&self, vm: &Arc<Vm>, keep_permit: bool) {
         lock(&self.vms).remove(&vm.name);
+        if !keep_permit {
+            self.end_permit(&vm.name);
+        }
         for d in vm.drives.values() {
             d.stop_server();
         }
@@ -326,11 +352,16 @@ impl Supervisor {
     }
 }
 
-fn create_private_dir(dir: &Path) -> Result<(), SupError> {
+/// The VM's directory: root's, or its QEMU user's (who creates the QMP and NBD sockets in
+/// it); nobody else's.
+pub(super) fn create_owned_dir(dir: &Path, owner: Option<super::Owner>) -> Result<(), SupError> {
     std::fs::create_dir_all(dir).map_err(|source| SupError::Io {
         what: format!("cannot create {}", dir.display()),
         source,
     })?;
+    if let Some(o) = owner {
+        o.chown(dir)?;
+    }
     set_mode(dir, 0o700)
 }
 

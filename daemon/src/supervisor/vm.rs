@@ -27,6 +27,8 @@ pub struct Vm {
     /// Registered as a migration's destination (`--incoming`).
     pub incoming: bool,
     pub dir: PathBuf,
+    /// QEMU's user when not root (it registered through a permit): the VM's sockets are theirs.
+    pub owner: Option<super::Owner>,
     pub drives: BTreeMap<String, Arc<ManagedDrive>>,
     qmp: Mutex<Option<Arc<Qmp>>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -51,6 +53,7 @@ impl Vm {
         cont: bool,
         incoming: bool,
         dir: PathBuf,
+        owner: Option<super::Owner>,
         drives: BTreeMap<String, Arc<ManagedDrive>>,
     ) -> Self {
         Vm {
@@ -59,6 +62,7 @@ impl Vm {
             cont,
             incoming,
             dir,
+            owner,
             drives,
             switchover_done: tokio::sync::watch::Sender::new((0, 0)),
             qmp: Mutex::new(None),
@@ -110,6 +114,7 @@ impl Vm {
             cont: self.cont,
             incoming: self.incoming,
             pause_owned: *lock(&self.pause_owner) == super::migration::PauseOwner::Acceld(true),
+            owner: self.owner,
             drives: self
                 .drives
                 .values()
