@@ -105,3 +105,226 @@ fn hundred_switches_under_qd32_verified_load() {
 fn drive_switches(s: &TestServer) -> u64 {
     s.drive.stats.switches.load(Ordering::Relaxed)
 }
+
+/// Overlapped switches (`Drive::swap_engine`) under the same verifying load: new requests go
+/// to the new engine at once, the ones in flight finish on the old one; nothing lost, nothing
+/// reordered, every block verifies.
+#[test]
+fn hundred_overlapped_switches_under_qd32_verified_load() {
+    let opts = ServerOptions {
+        queues: 2,
+        size: 32 << 20,
+        poll_us: 50,
+        io: IoMode::Uring,
+        ..Default::default()
+    };
+    let s = TestServer::start(&opts);
+    let bs = 4096u64;
+    let blocks = (32 << 20) / bs;
+    fill_image(&s.image, blocks * bs, 1).unwrap();
+    // Two io_uring engines on the same image: requests stay in flight across each swap.
+    let a: Arc<dyn Engine> = file_engine(&s.image, &opts);
+    let b: Arc<dyn Engine> = file_engine(&s.image, &opts);
+    let mut fe = BlkFrontend::connect(
+        &s.socket,
+        FrontendOptions {
+            queues: 2,
+            queue_size: 128,
+            max_data: 4096,
+            event_idx: true,
+            inflight: false,
+        },
+    )
+    .unwrap();
+    for q in 0..2 {
+        assert_eq!(fe.request(q, T_FLUSH, 0, &[], 0).unwrap().0, S_OK);
+    }
+    let done = Arc::new(AtomicBool::new(false));
+    let drive = s.drive.clone();
+    let done2 = done.clone();
+    let switcher = std::thread::spawn(move || {
+        struct Done(Arc<AtomicBool>);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _done = Done(done2.clone());
+        for i in 0..100 {
+            let to = if i % 2 == 0 { b.clone() } else { a.clone() };
+            let ahead = drive.open_contexts(to.as_ref()).expect("contexts");
+            let (r, draining) = drive.swap_engine(to, ahead).map_err(|e| e.1).expect("swap");
+            assert_eq!(r.queues, 2);
+            assert!(draining.wait(Duration::from_secs(10)), "old engine drained");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    let spec = LoadSpec::verified_mix(blocks, 43, Some(done));
+    let total = run_load(&mut fe, &spec).unwrap();
+    assert_eq!(total.errors, 0, "{:?}", total.mismatches);
+    assert_eq!(total.mismatch_count, 0, "{:?}", total.mismatches);
+    drop(fe);
+    assert_eq!(total.verify_image(&s.image, bs as u32).unwrap(), blocks);
+    switcher.join().unwrap();
+    assert!(total.reads > 1000 && total.writes > 1000);
+    assert_eq!(drive_switches(&s), 100);
+    let overlapped = s.drive.stats.overlapped.load(Ordering::Relaxed);
+    println!("100 overlapped switches x 2 queues: {overlapped} queue swaps had requests in flight");
+    assert!(overlapped > 0, "no swap found a request in flight");
+}
+
+/// An overlapped switch does not wait for the old engine: with a write held by the old
+/// engine's server (an NBD server that answers it only when told), requests after the swap
+/// complete on the new engine; the held one completes on the old engine once answered, and
+/// only then is the old engine drained. Both writes are on the image.
+#[test]
+fn an_overlapped_switch_leaves_a_held_request_on_the_old_engine() {
+    use accel_tests::{header, Buf, Used, T_OUT};
+    use acceld::engine::nbd::NbdEngine;
+    use std::io::{Read, Write};
+    use std::os::unix::fs::FileExt;
+    use std::os::unix::net::UnixListener;
+    let s = TestServer::start(&ServerOptions {
+        size: 8 << 20,
+        ..Default::default()
+    });
+    let size = 8u64 << 20;
+    let held_at = 4096 * 100;
+    // The old engine: NBD to a server on the same image that holds the write at `held_at`
+    // until `release` says so.
+    let sock = s.dir.path().join("gate.sock");
+    let l = UnixListener::bind(&sock).unwrap();
+    let (held_tx, held_rx) = std::sync::mpsc::channel::<()>();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let release_rx = Arc::new(std::sync::Mutex::new(release_rx));
+    let image = s.image.clone();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let (held_tx, release_rx) = (held_tx.clone(), release_rx.clone());
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&image)
+                .unwrap();
+            std::thread::spawn(move || {
+                if accel_tests::nbd_server::handshake(&mut c, size, 1 | 4, false, &|_| true)
+                    .is_err()
+                {
+                    return;
+                }
+                loop {
+                    let mut h = [0u8; 28];
+                    if c.read_exact(&mut h).is_err() {
+                        return;
+                    }
+                    let typ = u16::from_be_bytes(h[6..8].try_into().unwrap());
+                    let off = u64::from_be_bytes(h[16..24].try_into().unwrap());
+                    let len = u32::from_be_bytes(h[24..28].try_into().unwrap()) as usize;
+                    let mut payload = Vec::new();
+                    match typ {
+                        0 => {
+                            payload = vec![0u8; len];
+                            f.read_exact_at(&mut payload, off).unwrap();
+                        }
+                        1 => {
+                            let mut d = vec![0u8; len];
+                            c.read_exact(&mut d).unwrap();
+                            if off == held_at {
+                                held_tx.send(()).unwrap();
+                                release_rx.lock().unwrap().recv().unwrap();
+                            }
+                            f.write_all_at(&d, off).unwrap();
+                        }
+                        2 => return,
+                        _ => {}
+                    }
+                    let mut out = 0x6744_6698u32.to_be_bytes().to_vec();
+                    out.extend_from_slice(&0u32.to_be_bytes());
+                    out.extend_from_slice(&h[8..16]);
+                    out.extend_from_slice(&payload);
+                    if c.write_all(&out).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let old: Arc<dyn Engine> = Arc::new(NbdEngine::connect(&sock, "").unwrap());
+    s.drive.switch_engine(old).expect("to the NBD engine");
+    let mut fe = BlkFrontend::connect(
+        &s.socket,
+        FrontendOptions {
+            queues: 1,
+            queue_size: 128,
+            max_data: 4096,
+            event_idx: true,
+            inflight: false,
+        },
+    )
+    .unwrap();
+    // The write the old engine's server holds, in slot 1.
+    let slot = fe.slot(0, 1);
+    fe.mem.write(slot.header, &header(T_OUT, held_at / 512));
+    fe.mem.fill(slot.data, 4096, 0xa1);
+    fe.mem.write(slot.status, &[0xff]);
+    let head = fe
+        .submit_chain(
+            0,
+            &[
+                Buf::r(slot.header, 16),
+                Buf::r(slot.data, 4096),
+                Buf::w(slot.status, 1),
+            ],
+            None,
+        )
+        .unwrap();
+    held_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the write reached the old engine's server");
+
+    let new: Arc<dyn Engine> = file_engine(&s.image, &ServerOptions::default());
+    let ahead = s.drive.open_contexts(new.as_ref()).unwrap();
+    let (rep, draining) = s
+        .drive
+        .swap_engine(new, ahead)
+        .map_err(|e| e.1)
+        .expect("swap");
+    assert_eq!(rep.to, "io_uring");
+    // On the new engine while the old one still holds its write.
+    let other = vec![0xb2u8; 4096];
+    assert_eq!(fe.request(0, T_OUT, 8, &other, 0).unwrap().0, S_OK);
+    let (st, data, _) = fe.request(0, accel_tests::T_IN, 8, &[], 4096).unwrap();
+    assert_eq!((st, data), (S_OK, other.clone()));
+    let mut used: Vec<Used> = Vec::new();
+    fe.poll_used(0, &mut used);
+    assert!(
+        used.iter().all(|u| u.head != head),
+        "the held write completed before its server answered"
+    );
+    // The server answers: the old engine completes the write, and only then is it drained.
+    release_tx.send(()).unwrap();
+    let t0 = std::time::Instant::now();
+    while !used.iter().any(|u| u.head == head) {
+        fe.wait_used(0, &mut used, Duration::from_secs(10)).unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(20));
+    }
+    let mut st = [0u8];
+    fe.mem.read(slot.status, &mut st);
+    assert_eq!(st[0], S_OK);
+    assert!(draining.wait(Duration::from_secs(10)), "old engine drained");
+    let f = std::fs::File::open(&s.image).unwrap();
+    let mut b = vec![0u8; 4096];
+    f.read_exact_at(&mut b, held_at).unwrap();
+    assert!(
+        b.iter().all(|&x| x == 0xa1),
+        "the held write is on the image"
+    );
+    f.read_exact_at(&mut b, 8 * 512).unwrap();
+    assert_eq!(b, other);
+    // Another switch may start now.
+    let back: Arc<dyn Engine> = file_engine(&s.image, &ServerOptions::default());
+    s.drive
+        .switch_engine(back)
+        .expect("a switch after the drain");
+}

@@ -24,7 +24,7 @@ pub mod switch;
 
 pub use queue_ctl::{NextEngine, QueueCtl};
 pub use stats::{AcctClass, BlockAcct, DriveStats, LatencyHistogram};
-pub use switch::{Paused, SwitchError, SwitchReport};
+pub use switch::{Draining, Paused, SwitchError, SwitchReport};
 
 pub use accel_api::control::{DiscardMode, ErrorPolicy};
 

@@ -54,6 +54,13 @@ pub(crate) struct CtlState {
     pub(crate) next: Option<NextEngine>,
     /// Retry the held requests now (an operator's resume).
     pub(crate) retry: bool,
+    /// Take new requests on this engine at once; the ones in flight finish on the old one
+    /// (an overlapped switch, see `Drive::swap_engine`).
+    pub(crate) swap: Option<NextEngine>,
+    /// The worker took the swap: nothing new goes to the old engine.
+    pub(crate) swapped: bool,
+    /// Nothing is in flight on the old engine any more (the worker dropped its context).
+    pub(crate) old_drained: bool,
 }
 
 impl QueueCtl {
@@ -139,6 +146,26 @@ impl QueueCtl {
         st.next = next;
         drop(st);
         self.poke();
+    }
+
+    /// New requests go to `next` from now on; those in flight finish where they are.
+    pub fn request_swap(&self, next: NextEngine) {
+        let mut st = lock(&self.st);
+        st.swap = Some(next);
+        st.swapped = false;
+        st.old_drained = false;
+        drop(st);
+        self.poke();
+    }
+
+    /// Waits until the worker took the swap (or has exited).
+    pub fn wait_swapped(&self, deadline: Instant) -> bool {
+        self.wait_for(Some(deadline), |st| st.swapped || st.exited)
+    }
+
+    /// Waits until the worker's requests on the old engine have all completed (or it exited).
+    pub fn wait_old_drained(&self, deadline: Instant) -> bool {
+        self.wait_for(Some(deadline), |st| st.old_drained || st.exited)
     }
 
     /// Marks a worker that has not started yet as paused from its first moment.

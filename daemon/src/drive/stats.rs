@@ -26,6 +26,9 @@ pub struct DriveStats {
     /// Requests that went through the bounce pool (unaligned buffers with O_DIRECT).
     pub bounced: AtomicU64,
     pub switches: AtomicU64,
+    /// Queues that took an overlapped switch with requests in flight (they finished on the
+    /// old engine).
+    pub overlapped: AtomicU64,
     pub last_pause_us: AtomicU64,
     /// The last migration switchover's stop of the drive's last ring, as the source saw it:
     /// drain, fdatasync and image release, until the GET_VRING_BASE reply (microseconds).

@@ -20,6 +20,8 @@ pub enum SwitchError {
     Busy(String),
     #[error("the new engine could not open queue contexts")]
     Prepare(#[source] EngineError),
+    #[error("a queue has no context on the new engine, or the drive is paused")]
+    NotPrepared,
     #[error("queue {queue} did not drain within {timeout:?}; switch rolled back, old engine kept")]
     DrainTimeout { queue: usize, timeout: Duration },
 }
@@ -101,6 +103,118 @@ impl Drive {
 
 /// Queue contexts opened on an engine before a pause (see [`Drive::open_contexts`]).
 pub struct Contexts(Vec<(usize, u32, Box<dyn QueueIo>)>);
+
+impl Drive {
+    /// Moves the drive to `new` without a drain: each queue takes new requests on `new`
+    /// (its context from `ahead`) at once, and the requests in flight finish on the old
+    /// engine (virtio-blk orders nothing between requests in flight, and both engines reach
+    /// the same image). The pause is the hand-over itself. The old engine must be kept (not
+    /// released) until [`Draining::wait`] says its last request completed; until then no
+    /// other switch or pause starts.
+    ///
+    /// `ahead` must hold a context for every running queue; when it does not (a queue
+    /// started meanwhile), nothing happens and `ahead` comes back for an ordinary switch.
+    #[allow(clippy::needless_pass_by_value)] // the drive and each queue keep a clone
+    pub fn swap_engine(
+        self: &Arc<Self>,
+        new: Arc<dyn Engine>,
+        mut ahead: Contexts,
+    ) -> Result<(SwitchReport, Draining), (Contexts, SwitchError)> {
+        if self.switching.swap(true, Ordering::AcqRel) {
+            return Err((ahead, SwitchError::Busy(self.cfg.name.clone())));
+        }
+        let t0 = Instant::now();
+        let from = self.engine().io_path().to_string();
+        let a = lock(&self.attach_lock);
+        let workers: Vec<Arc<QueueCtl>> = lock(&self.running).clone();
+        let covered = workers.iter().all(|w| {
+            ahead
+                .0
+                .iter()
+                .any(|(i, d, _)| *i == w.index() && *d == w.depth())
+        });
+        if !covered || lock(&self.engine).paused || new.holds() {
+            drop(a);
+            self.switching.store(false, Ordering::Release);
+            return Err((ahead, SwitchError::NotPrepared));
+        }
+        {
+            let mut slot = lock(&self.engine);
+            slot.engine = new.clone();
+            slot.generation += 1;
+        }
+        for w in &workers {
+            let io = ahead.take(w.index(), w.depth()).expect("covered above");
+            w.request_swap((io, new.clone()));
+        }
+        drop(a);
+        let deadline = t0 + self.drain_timeout;
+        for w in &workers {
+            if !w.wait_swapped(deadline) {
+                // A worker that does not answer its control eventfd is stuck in the engine;
+                // it takes the new one whenever it comes back.
+                warn!(drive = %self.cfg.name, queue = w.index(), "queue did not take the new engine within {:?}", self.drain_timeout);
+            }
+        }
+        let pause = t0.elapsed();
+        self.stats.switches.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .last_pause_us
+            .store(pause.as_micros() as u64, Ordering::Relaxed);
+        info!(drive = %self.cfg.name, from = %from, to = new.io_path(), queues = workers.len(), pause_us = pause.as_micros() as u64, "engine swapped; requests in flight finish on the old one");
+        if !new.wait_ready(READY_TIMEOUT) {
+            if let Some(n) = self.stats.log.io.admit() {
+                warn!(drive = %self.cfg.name, to = new.io_path(), "the new engine's queues were not ready within {READY_TIMEOUT:?}{}", crate::util::suppressed(n));
+            }
+        }
+        Ok((
+            SwitchReport {
+                from,
+                to: new.io_path().to_string(),
+                queues: workers.len(),
+                pause,
+            },
+            Draining {
+                drive: self.clone(),
+                workers,
+                done: false,
+            },
+        ))
+    }
+}
+
+/// The old engine of an overlapped switch ([`Drive::swap_engine`]) while requests finish on
+/// it. Dropping it waits too (bounded by the drive's drain timeout).
+pub struct Draining {
+    drive: Arc<Drive>,
+    workers: Vec<Arc<QueueCtl>>,
+    done: bool,
+}
+
+impl Draining {
+    /// Waits until every request on the old engine completed (true), or `timeout` passed
+    /// (false: some are still there; releasing the old engine then fails them). Other
+    /// switches may start afterwards either way.
+    pub fn wait(mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let all = self.workers.iter().all(|w| w.wait_old_drained(deadline));
+        self.done = true;
+        self.drive.switching.store(false, Ordering::Release);
+        all
+    }
+}
+
+impl Drop for Draining {
+    fn drop(&mut self) {
+        if !self.done {
+            let deadline = Instant::now() + self.drive.drain_timeout;
+            for w in &self.workers {
+                w.wait_old_drained(deadline);
+            }
+            self.drive.switching.store(false, Ordering::Release);
+        }
+    }
+}
 
 impl Contexts {
     /// The context opened for queue `index` at `depth`, if any.

@@ -59,6 +59,16 @@ const SLEPT: Duration = Duration::from_micros(5);
 const TOKEN_KICK: u64 = 0;
 const TOKEN_IO: u64 = 1;
 const TOKEN_CTL: u64 = 2;
+/// The completion fd of the engine an overlapped switch left (its requests finish there).
+const TOKEN_IO_OLD: u64 = 3;
+
+/// The engine before an overlapped switch, while requests popped before it finish there.
+struct OldIo {
+    io: Box<dyn QueueIo>,
+    engine: Arc<dyn Engine>,
+    /// Requests still on it (slots marked `on_old`).
+    in_flight: usize,
+}
 
 /// A running worker. [`WorkerHandle::stop`] drains it and gives the ring back.
 pub struct WorkerHandle {
@@ -249,6 +259,8 @@ struct Worker {
     ctl: Arc<QueueCtl>,
     io: Box<dyn QueueIo>,
     engine: Arc<dyn Engine>,
+    /// The engine an overlapped switch left, until its last request completed.
+    old: Option<OldIo>,
     epoll: Epoll,
     slots: Vec<InFlight>,
     free: Vec<usize>,
@@ -308,6 +320,7 @@ impl Worker {
             ctl,
             io,
             engine,
+            old: None,
             epoll,
             slots: (0..n).map(|_| InFlight::new()).collect(),
             free: (0..n).rev().collect(),
@@ -392,7 +405,7 @@ impl Worker {
                         let _ = self.kick.read();
                         self.process_avail();
                     }
-                    TOKEN_IO => self.reap(),
+                    TOKEN_IO | TOKEN_IO_OLD => self.reap(),
                     TOKEN_CTL => {
                         let _ = self.ctl.wake.read();
                         self.control();
@@ -424,7 +437,9 @@ impl Worker {
         self.polling = true;
         let found = loop {
             let mut busy = false;
-            if self.io.has_completions() {
+            if self.io.has_completions()
+                || self.old.as_mut().is_some_and(|o| o.io.has_completions())
+            {
                 self.reap();
                 busy = true;
             }
@@ -595,6 +610,14 @@ impl Worker {
         if st.stop {
             self.stopping = true;
         }
+        if let Some((io, engine)) = st.swap.take() {
+            drop(st);
+            self.swap_engine(io, engine);
+            st = lock(&self.ctl.st);
+            st.swapped = true;
+            st.old_drained = self.old.is_none();
+            self.ctl.cv.notify_all();
+        }
         if std::mem::take(&mut st.retry) && !self.held.is_empty() {
             drop(st);
             self.retry_held();
@@ -615,6 +638,72 @@ impl Worker {
                 self.replace_engine(io, engine);
             }
             self.process_avail();
+        }
+    }
+
+    /// An overlapped switch: new requests go to `io` at once, the ones in flight finish on
+    /// the engine they started on (virtio-blk orders nothing between requests in flight),
+    /// which the worker drops after their last completion (`retire_old`).
+    fn swap_engine(&mut self, io: Box<dyn QueueIo>, engine: Arc<dyn Engine>) {
+        if self.in_flight == 0 || self.old.is_some() {
+            // Nothing to finish (or, never with Drive::swap_engine, a swap before the last
+            // one finished: the worker would need two old engines): a plain replacement
+            // once nothing is in flight.
+            if self.old.is_some() {
+                error!(
+                    queue = self.index,
+                    "engine swap while the last one still finishes; replacing at once"
+                );
+            }
+            self.old = None;
+            return self.replace_engine(io, engine);
+        }
+        for s in self.slots.iter_mut().filter(|s| s.mem.is_some()) {
+            s.on_old = true;
+        }
+        self.drive.stats.overlapped.fetch_add(1, Ordering::Relaxed);
+        let _ = self.epoll.ctl(
+            ControlOperation::Modify,
+            self.io.completion_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_IO_OLD),
+        );
+        if let Err(e) = self.epoll.ctl(
+            ControlOperation::Add,
+            io.completion_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_IO),
+        ) {
+            error!(queue = self.index, "cannot watch the new engine: {e}");
+        }
+        self.old = Some(OldIo {
+            io: std::mem::replace(&mut self.io, io),
+            engine: std::mem::replace(&mut self.engine, engine),
+            in_flight: self.in_flight,
+        });
+        // The ring may hold requests that waited for the swap.
+        self.process_avail();
+    }
+
+    /// The old engine's last request completed: its context goes, the switch learns it.
+    pub(super) fn retire_old(&mut self) {
+        if let Some(o) = self.old.take() {
+            let _ = self.epoll.ctl(
+                ControlOperation::Delete,
+                o.io.completion_fd(),
+                EpollEvent::default(),
+            );
+            drop(o);
+            let mut st = lock(&self.ctl.st);
+            st.old_drained = true;
+            self.ctl.cv.notify_all();
+        }
+    }
+
+    /// The engine a request runs on: the old one for requests started before an overlapped
+    /// switch.
+    pub(super) fn engine_of(&self, idx: usize) -> &Arc<dyn Engine> {
+        match &self.old {
+            Some(o) if self.slots[idx].on_old => &o.engine,
+            _ => &self.engine,
         }
     }
 
@@ -718,7 +807,14 @@ impl Worker {
             if let Err(e) = self.io.submit() {
                 error!(queue = self.index, "engine submit failed: {e}");
             }
-            if !self.io.has_completions() {
+            if let Some(o) = self.old.as_mut() {
+                if let Err(e) = o.io.submit() {
+                    error!(queue = self.index, "engine submit failed: {e}");
+                }
+            }
+            if !self.io.has_completions()
+                && !self.old.as_mut().is_some_and(|o| o.io.has_completions())
+            {
                 return;
             }
             self.reap_ready();

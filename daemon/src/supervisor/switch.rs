@@ -5,6 +5,7 @@
 //! status. The caller holds the drive's `op` lock: one operation at a time per drive.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use accel_api::control::DriveSpec;
 use accel_api::status::EngineKind;
@@ -123,46 +124,79 @@ impl Supervisor {
         // The queues' contexts on a prepared engine too (io_uring rings, NBD queues on the
         // connections made ahead): the pause then does not wait for their set-up. If they
         // cannot be opened now, the resume opens them and says why.
-        let ahead = prepared
+        let mut ahead = prepared
             .as_ref()
             .and_then(|e| block_in_place(|| drive.open_contexts(e.as_ref())).ok());
-        let paused = match block_in_place(|| drive.pause()) {
-            Ok(p) => p,
-            Err(e) => {
-                // A prepared direct engine just closes (dropped here); the qemu engine still
-                // serves. A prepared qemu engine's export and nodes go.
-                if was_prepared && !direct_prepared {
-                    self.unprepare_qemu(d, qmp).await;
+        let old = drive.engine();
+        // With the new engine ready on every queue, the switch overlaps: new requests go to
+        // it at once, the ones in flight finish on the old engine, which is released only
+        // after their last completion. The pause is then the hand-over alone, not the drain
+        // (requests through QEMU, or a slow disk, take milliseconds).
+        let swapped = match (&prepared, ahead.take()) {
+            (Some(e), Some(ctx)) => match block_in_place(|| drive.swap_engine(e.clone(), ctx)) {
+                Ok(s) => Some(s),
+                Err((ctx, why)) => {
+                    debug!(drive = %d.spec.id, "no overlapped switch: {why}");
+                    ahead = Some(ctx);
+                    None
                 }
-                return Err(e.into());
+            },
+            (_, a) => {
+                ahead = a;
+                None
             }
         };
-        let drained = paused.elapsed();
-        // The old engine gives the storage up: inside the pause when the new one still has to
-        // be brought up (QEMU's nodes may need the image), after the resume when it was
-        // prepared (both already share the image, and the old one is idle once drained).
-        let old = drive.engine();
-        if !was_prepared {
+        let res = if let Some((rep, draining)) = swapped {
+            let t = std::time::Instant::now();
+            let timeout = Duration::from_millis(self.cfg.drain_timeout_ms);
+            if !block_in_place(|| draining.wait(timeout)) {
+                if let Some(n) = d.log.admit() {
+                    warn!(drive = %d.spec.id, "requests on the old engine did not finish within {timeout:?}; releasing it fails them{}", crate::util::suppressed(n));
+                }
+            }
+            debug!(drive = %d.spec.id, to = to.kind().as_str(), swap_us = rep.pause.as_micros() as u64, old_drain_us = t.elapsed().as_micros() as u64, "switch steps (overlapped)");
             old.release();
-        }
-        let released = paused.elapsed();
-        // A prepared direct engine shows in status once QEMU's export and nodes are gone
-        // (finish_direct).
-        let up = match prepared {
-            Some(e) => Ok(e),
-            None => self.bring_up(vm, d, qmp, &to).await,
+            Ok(rep)
+        } else {
+            let paused = match block_in_place(|| drive.pause()) {
+                Ok(p) => p,
+                Err(e) => {
+                    // A prepared direct engine just closes (dropped here); the qemu engine
+                    // still serves. A prepared qemu engine's export and nodes go.
+                    if was_prepared && !direct_prepared {
+                        self.unprepare_qemu(d, qmp).await;
+                    }
+                    return Err(e.into());
+                }
+            };
+            let drained = paused.elapsed();
+            // The old engine gives the storage up: inside the pause when the new one still
+            // has to be brought up (QEMU's nodes may need the image), after the resume when
+            // it was prepared (both already share the image, and the old one is idle once
+            // drained).
+            if !was_prepared {
+                old.release();
+            }
+            let released = paused.elapsed();
+            // A prepared direct engine shows in status once QEMU's export and nodes are gone
+            // (finish_direct).
+            let up = match prepared {
+                Some(e) => Ok(e),
+                None => self.bring_up(vm, d, qmp, &to).await,
+            };
+            debug!(drive = %d.spec.id, to = to.kind().as_str(), drain_us = drained.as_micros() as u64, release_us = (released - drained).as_micros() as u64, bring_up_us = (paused.elapsed() - released).as_micros() as u64, "switch steps");
+            let res = match up {
+                Ok(engine) => match block_in_place(|| paused.resume_with(engine, ahead)) {
+                    Ok(rep) => Ok(rep),
+                    Err((p, e)) => Err((p, SupError::Switch(e))),
+                },
+                Err(e) => Err((paused, e)),
+            };
+            if was_prepared {
+                old.release();
+            }
+            res
         };
-        debug!(drive = %d.spec.id, to = to.kind().as_str(), drain_us = drained.as_micros() as u64, release_us = (released - drained).as_micros() as u64, bring_up_us = (paused.elapsed() - released).as_micros() as u64, "switch steps");
-        let res = match up {
-            Ok(engine) => match block_in_place(|| paused.resume_with(engine, ahead)) {
-                Ok(rep) => Ok(rep),
-                Err((p, e)) => Err((p, SupError::Switch(e))),
-            },
-            Err(e) => Err((paused, e)),
-        };
-        if was_prepared {
-            old.release();
-        }
         match res {
             Ok(rep) => {
                 let us = rep.pause.as_micros() as u64;

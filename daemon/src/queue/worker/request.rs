@@ -53,6 +53,8 @@ pub(super) struct InFlight {
     pub(super) mem: Option<Arc<Mem>>,
     /// When the request was popped (for the latency histogram).
     pub(super) started: Instant,
+    /// Started on the engine an overlapped switch left: it finishes there.
+    pub(super) on_old: bool,
 }
 
 impl InFlight {
@@ -72,6 +74,7 @@ impl InFlight {
             segs: Vec::new(),
             mem: None,
             started: Instant::now(),
+            on_old: false,
         }
     }
 
@@ -158,6 +161,7 @@ impl Worker {
         slot.bounce = None;
         slot.mem = Some(mem.clone());
         slot.acct = None;
+        slot.on_old = false;
         match decoded {
             Err(st) => {
                 if let Some(class) = self.req_type.take().and_then(acct_class) {
@@ -304,10 +308,15 @@ impl Worker {
     }
 
     pub(super) fn push(&mut self, idx: usize, op: IoOp) {
+        // A request started before an overlapped switch goes on where it started.
+        let io = match self.old.as_mut() {
+            Some(o) if self.slots[idx].on_old => &mut o.io,
+            _ => &mut self.io,
+        };
         // SAFETY: the iovecs live in `self.slots[idx].iov` and point into guest memory kept
         // mapped by `self.slots[idx].mem`, or into this worker's bounce buffers; neither is
         // touched or freed until the completion for `idx` is reaped.
-        let ok = unsafe { self.io.push(&op, idx as u64) };
+        let ok = unsafe { io.push(&op, idx as u64) };
         if !ok {
             // Cannot happen while in-flight <= depth; answer rather than lose the request.
             error!(queue = self.index, "engine queue full");
@@ -352,6 +361,9 @@ impl Worker {
         let mut done = std::mem::take(&mut self.completions);
         done.clear();
         self.io.reap(&mut done);
+        if let Some(o) = self.old.as_mut() {
+            o.io.reap(&mut done);
+        }
         for &(token, res) in &done {
             let idx = token as usize;
             if idx >= self.slots.len() || self.slots[idx].mem.is_none() {
@@ -424,7 +436,7 @@ impl Worker {
             Op::Discard { .. } if unsupported => self.complete(idx, S_OK),
             Op::WriteZeroes { offset, len, .. } if unsupported => {
                 let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-                if mode != punch && !self.engine.is_block_device() {
+                if mode != punch && !self.engine_of(idx).is_block_device() {
                     // tmpfs has no ZERO_RANGE; a punched hole of a regular file reads as zeroes.
                     self.push_fallocate(idx, offset, len, punch, true);
                 } else {
@@ -586,9 +598,18 @@ impl Worker {
         drop(guard);
         slot.op = Op::Flush;
         let freed_bounce = slot.bounce.take();
+        let was_old = std::mem::take(&mut slot.on_old);
         self.used_added = true;
         self.free.push(idx);
         self.in_flight -= 1;
+        if was_old {
+            if let Some(o) = self.old.as_mut() {
+                o.in_flight -= 1;
+                if o.in_flight == 0 {
+                    self.retire_old();
+                }
+            }
+        }
         if let Some(b) = freed_bounce {
             // Hand the buffer to the oldest request waiting for one.
             match self.bounce_wait.pop_front() {
