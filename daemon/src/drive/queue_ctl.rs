@@ -61,6 +61,8 @@ pub(crate) struct CtlState {
     pub(crate) swapped: bool,
     /// Nothing is in flight on the old engine any more (the worker dropped its context).
     pub(crate) old_drained: bool,
+    /// How long the worker took no requests while it took the swap.
+    pub(crate) swap_took: std::time::Duration,
 }
 
 impl QueueCtl {
@@ -161,6 +163,12 @@ impl QueueCtl {
     /// Waits until the worker took the swap (or has exited).
     pub fn wait_swapped(&self, deadline: Instant) -> bool {
         self.wait_for(Some(deadline), |st| st.swapped || st.exited)
+    }
+
+    /// How long the worker stopped taking requests for the last swap (zero if it has not
+    /// taken one).
+    pub fn swap_took(&self) -> std::time::Duration {
+        lock(&self.st).swap_took
     }
 
     /// Waits until the worker's requests on the old engine have all completed (or it exited).

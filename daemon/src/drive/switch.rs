@@ -33,8 +33,13 @@ pub struct SwitchReport {
     pub to: String,
     /// Queues that were running and were drained.
     pub queues: usize,
-    /// From the first pause request to the last resume.
+    /// How long the drive took no requests: from the first pause request to the last
+    /// resume; for an overlapped switch, the longest a queue's worker stopped popping while it
+    /// took the new engine (the queues served throughout otherwise).
     pub pause: Duration,
+    /// From the start of the switch until every queue was on the new engine (the pause, for
+    /// a switch that drains; for an overlapped one, until each worker acknowledged it).
+    pub handover: Duration,
 }
 
 impl Drive {
@@ -156,12 +161,17 @@ impl Drive {
                 warn!(drive = %self.cfg.name, queue = w.index(), "queue did not take the new engine within {:?}", self.drain_timeout);
             }
         }
-        let pause = t0.elapsed();
+        let handover = t0.elapsed();
+        let pause = workers
+            .iter()
+            .map(|w| w.swap_took())
+            .max()
+            .unwrap_or_default();
         self.stats.switches.fetch_add(1, Ordering::Relaxed);
         self.stats
             .last_pause_us
             .store(pause.as_micros() as u64, Ordering::Relaxed);
-        info!(drive = %self.cfg.name, from = %from, to = new.io_path(), queues = workers.len(), pause_us = pause.as_micros() as u64, "engine swapped; requests in flight finish on the old one");
+        info!(drive = %self.cfg.name, from = %from, to = new.io_path(), queues = workers.len(), pause_us = pause.as_micros() as u64, handover_us = handover.as_micros() as u64, "engine swapped; requests in flight finish on the old one");
         if !new.wait_ready(READY_TIMEOUT) {
             if let Some(n) = self.stats.log.io.admit() {
                 warn!(drive = %self.cfg.name, to = new.io_path(), "the new engine's queues were not ready within {READY_TIMEOUT:?}{}", crate::util::suppressed(n));
@@ -173,6 +183,7 @@ impl Drive {
                 to: new.io_path().to_string(),
                 queues: workers.len(),
                 pause,
+                handover,
             },
             Draining {
                 drive: self.clone(),
@@ -333,6 +344,7 @@ impl Paused {
             to: engine.io_path().to_string(),
             queues: self.queues,
             pause,
+            handover: pause,
         })
     }
 }

@@ -24,7 +24,7 @@ use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::drive::{Drive, QueueCtl};
+use crate::drive::{Drive, NextEngine, QueueCtl};
 use crate::engine::{Engine, QueueIo};
 use crate::guest_mem::dirty_log::DirtyLog;
 use crate::guest_mem::{Mem, MemHandle};
@@ -612,11 +612,19 @@ impl Worker {
         }
         if let Some((io, engine)) = st.swap.take() {
             drop(st);
-            self.swap_engine(io, engine);
+            let t = Instant::now();
+            let idle = self.swap_engine(io, engine);
+            let took = t.elapsed();
             st = lock(&self.ctl.st);
+            st.swap_took = took;
             st.swapped = true;
             st.old_drained = self.old.is_none();
             self.ctl.cv.notify_all();
+            drop(st);
+            // Requests that came meanwhile, on the new engine; then the old context goes.
+            self.process_avail();
+            drop(idle);
+            st = lock(&self.ctl.st);
         }
         if std::mem::take(&mut st.retry) && !self.held.is_empty() {
             drop(st);
@@ -635,7 +643,7 @@ impl Worker {
             let next = st.next.take();
             drop(st);
             if let Some((io, engine)) = next {
-                self.replace_engine(io, engine);
+                drop(self.replace_engine(io, engine));
             }
             self.process_avail();
         }
@@ -644,7 +652,9 @@ impl Worker {
     /// An overlapped switch: new requests go to `io` at once, the ones in flight finish on
     /// the engine they started on (virtio-blk orders nothing between requests in flight),
     /// which the worker drops after their last completion (`retire_old`).
-    fn swap_engine(&mut self, io: Box<dyn QueueIo>, engine: Arc<dyn Engine>) {
+    /// Returns the old context when nothing was in flight on it, to be dropped after the
+    /// swap is acknowledged (its teardown is no part of the pause).
+    fn swap_engine(&mut self, io: Box<dyn QueueIo>, engine: Arc<dyn Engine>) -> Option<NextEngine> {
         if self.in_flight == 0 || self.old.is_some() {
             // Nothing to finish (or, never with Drive::swap_engine, a swap before the last
             // one finished: the worker would need two old engines): a plain replacement
@@ -656,7 +666,7 @@ impl Worker {
                 );
             }
             self.old = None;
-            return self.replace_engine(io, engine);
+            return Some(self.replace_engine(io, engine));
         }
         for s in self.slots.iter_mut().filter(|s| s.mem.is_some()) {
             s.on_old = true;
@@ -679,8 +689,7 @@ impl Worker {
             engine: std::mem::replace(&mut self.engine, engine),
             in_flight: self.in_flight,
         });
-        // The ring may hold requests that waited for the swap.
-        self.process_avail();
+        None
     }
 
     /// The old engine's last request completed: its context goes, the switch learns it.
@@ -707,7 +716,13 @@ impl Worker {
         }
     }
 
-    fn replace_engine(&mut self, io: Box<dyn QueueIo>, engine: Arc<dyn Engine>) {
+    /// Puts `io` in place of the current context (nothing in flight); returns the old one,
+    /// for the caller to drop when it suits (tearing an io_uring ring down takes time).
+    fn replace_engine(
+        &mut self,
+        io: Box<dyn QueueIo>,
+        engine: Arc<dyn Engine>,
+    ) -> (Box<dyn QueueIo>, Arc<dyn Engine>) {
         debug_assert_eq!(self.in_flight, 0);
         let _ = self.epoll.ctl(
             ControlOperation::Delete,
@@ -721,8 +736,10 @@ impl Worker {
         ) {
             error!(queue = self.index, "cannot watch the new engine: {e}");
         }
-        self.io = io;
-        self.engine = engine;
+        (
+            std::mem::replace(&mut self.io, io),
+            std::mem::replace(&mut self.engine, engine),
+        )
     }
 
     fn memory(&self) -> Arc<Mem> {

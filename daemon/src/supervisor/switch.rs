@@ -154,7 +154,7 @@ impl Supervisor {
                     warn!(drive = %d.spec.id, "requests on the old engine did not finish within {timeout:?}; releasing it fails them{}", crate::util::suppressed(n));
                 }
             }
-            debug!(drive = %d.spec.id, to = to.kind().as_str(), swap_us = rep.pause.as_micros() as u64, old_drain_us = t.elapsed().as_micros() as u64, "switch steps (overlapped)");
+            debug!(drive = %d.spec.id, to = to.kind().as_str(), swap_us = rep.pause.as_micros() as u64, handover_us = rep.handover.as_micros() as u64, old_drain_us = t.elapsed().as_micros() as u64, "switch steps (overlapped)");
             old.release();
             Ok(rep)
         } else {
