@@ -155,6 +155,19 @@ fn a_permit_lets_qemus_user_register_its_vm_and_nothing_else() -> Result<()> {
         let r = call_as(NOBODY, &vm_sock, req)?.expect("connects");
         assert!(denied(&r), "{req:?}: {r:?}");
     }
+    // No more drives than permitted images (each one a thread and a socket of root's).
+    let two = Request::Register {
+        vm: "pv".into(),
+        qmp: run.join("pv/qemu-qmp.sock"),
+        drives: vec![
+            drive(&img),
+            DriveSpec::parse(&format!("id=d1,image={}", img.display())).unwrap(),
+        ],
+        cont: false,
+        incoming: false,
+    };
+    let r = call_as(NOBODY, &vm_sock, &two)?.expect("connects");
+    assert!(denied(&r), "{r:?}");
     // A symbolic link to another image is that image.
     let link = d.join("link.raw");
     std::os::unix::fs::symlink(&other, &link)?;
@@ -210,6 +223,21 @@ fn a_permit_lets_qemus_user_register_its_vm_and_nothing_else() -> Result<()> {
         0o600,
         "the state file"
     );
+
+    // A connection made under one permit is worth nothing under the next one.
+    let r = control::call(&root_sock, &permit(vec![img.clone()], NOBODY), CALL)?;
+    assert!(r.ok, "{r:?}");
+    let mut kept = std::os::unix::net::UnixStream::connect(&vm_sock)?;
+    let r = control::call(&root_sock, &permit(vec![img.clone()], NOBODY), CALL)?;
+    assert!(r.ok, "{r:?}");
+    {
+        use std::io::{BufRead, Write};
+        writeln!(kept, "{}", serde_json::to_string(&Request::Status)?)?;
+        let mut line = String::new();
+        std::io::BufReader::new(&kept).read_line(&mut line)?;
+        let r: Reply = serde_json::from_str(&line)?;
+        assert!(denied(&r), "{r:?}");
+    }
 
     // Root's unregister ends it all: no VM, no permit, no directory.
     let r = control::call(&root_sock, &Request::Unregister { vm: "pv".into() }, CALL)?;

@@ -119,6 +119,7 @@ pub struct Handshake {
     reader: BufReader<OwnedReadHalf>,
     writer: OwnedWriteHalf,
     path: PathBuf,
+    peer_uid: Option<u32>,
 }
 
 /// Connects and reads the greeting.
@@ -129,6 +130,7 @@ pub async fn connect(path: &Path) -> Result<Handshake, QmpError> {
             path: path.to_path_buf(),
             source: Arc::new(e),
         })?;
+    let peer_uid = stream.peer_cred().ok().map(|c| c.uid());
     let (r, w) = stream.into_split();
     let mut reader = BufReader::new(r);
     let v = read_message(&mut reader)
@@ -155,6 +157,7 @@ pub async fn connect(path: &Path) -> Result<Handshake, QmpError> {
         reader,
         writer: w,
         path: path.to_path_buf(),
+        peer_uid,
     })
 }
 
@@ -345,6 +348,8 @@ struct Inner {
     greeting: Greeting,
     path: PathBuf,
     oob: bool,
+    /// The uid of the process listening on the socket (SO_PEERCRED).
+    peer_uid: Option<u32>,
 }
 
 /// A negotiated QMP connection. Clone it to share it between tasks.
@@ -371,10 +376,16 @@ impl Qmp {
             timeout: Mutex::new(Duration::from_secs(30)),
             greeting: h.greeting,
             path: h.path,
+            peer_uid: h.peer_uid,
             oob,
         });
         tokio::spawn(reader_task(h.reader, inner.clone()));
         Qmp { inner }
+    }
+
+    /// The uid of the process that serves this QMP socket, as the kernel says (SO_PEERCRED).
+    pub fn peer_uid(&self) -> Option<u32> {
+        self.inner.peer_uid
     }
 
     pub fn greeting(&self) -> &Greeting {

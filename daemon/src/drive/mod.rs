@@ -122,6 +122,10 @@ pub struct Drive {
     /// A migration's switchover released the image (flushed, unlocked, closed): how to open
     /// it again if the migration does not complete.
     handed_off: Mutex<Option<FileEngineConfig>>,
+    /// The direct engine an overlapped switch left, until its writes are durable: a flush
+    /// meanwhile syncs it first (the new engine, QEMU, skips a flush when nothing was
+    /// written through it).
+    unsynced: Mutex<Option<Arc<dyn Engine>>>,
     /// The disk's size as the guest sees it (whole logical blocks): the config's at start, a
     /// resize's afterwards (see [`Drive::set_capacity`]).
     capacity: std::sync::atomic::AtomicU64,
@@ -151,6 +155,7 @@ impl Drive {
             writeback: AtomicBool::new(writeback),
             session_wce: std::sync::atomic::AtomicU8::new(0),
             handed_off: Mutex::new(None),
+            unsynced: Mutex::new(None),
             stats: DriveStats::default(),
             drain_timeout: Duration::from_secs(30),
         })
@@ -237,6 +242,11 @@ impl Drive {
             w.request_retry();
         }
         held
+    }
+
+    /// The engine whose completed writes a flush must sync first (see `unsynced`).
+    pub(crate) fn unsynced_old(&self) -> Option<Arc<dyn Engine>> {
+        lock(&self.unsynced).clone()
     }
 
     /// Whether a migration's switchover released the image (see [`Drive::hand_off_image`]).

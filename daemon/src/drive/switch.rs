@@ -138,15 +138,22 @@ impl Drive {
                 .iter()
                 .any(|(i, d, _)| *i == w.index() && *d == w.depth())
         });
-        if !covered || lock(&self.engine).paused || new.holds() {
+        // Held requests (werror) would keep the old engine until the error clears: such a
+        // drive drains (and rolls back on the drain's timeout) as before.
+        let holding = self.stats.held_requests.load(Ordering::Relaxed) > 0;
+        if !covered || holding || lock(&self.engine).paused || new.holds() {
             drop(a);
             self.switching.store(false, Ordering::Release);
             return Err((ahead, SwitchError::NotPrepared));
         }
-        {
+        let old = {
             let mut slot = lock(&self.engine);
-            slot.engine = new.clone();
+            let old = std::mem::replace(&mut slot.engine, new.clone());
             slot.generation += 1;
+            old
+        };
+        if old.file_config().is_some() {
+            *lock(&self.unsynced) = Some(old.clone());
         }
         for w in &workers {
             let io = ahead.take(w.index(), w.depth()).expect("covered above");
@@ -188,6 +195,7 @@ impl Drive {
             Draining {
                 drive: self.clone(),
                 workers,
+                old,
                 done: false,
             },
         ))
@@ -195,34 +203,62 @@ impl Drive {
 }
 
 /// The old engine of an overlapped switch ([`Drive::swap_engine`]) while requests finish on
-/// it. Dropping it waits too (bounded by the drive's drain timeout).
+/// it. Until it is done no other switch or pause starts; dropping it leaves the wait to a
+/// thread.
 pub struct Draining {
     drive: Arc<Drive>,
     workers: Vec<Arc<QueueCtl>>,
+    old: Arc<dyn Engine>,
     done: bool,
 }
 
 impl Draining {
-    /// Waits until every request on the old engine completed (true), or `timeout` passed
-    /// (false: some are still there; releasing the old engine then fails them). Other
-    /// switches may start afterwards either way.
-    pub fn wait(mut self, timeout: Duration) -> bool {
+    /// Waits until every request on the old engine completed, then makes its writes durable
+    /// (fdatasync, for a direct engine) and ends the switch. After `timeout` with requests
+    /// still there it comes back: the old engine must stay until [`Draining::wait_all`].
+    pub fn wait(mut self, timeout: Duration) -> Result<(), Draining> {
         let deadline = Instant::now() + timeout;
-        let all = self.workers.iter().all(|w| w.wait_old_drained(deadline));
+        if self.workers.iter().all(|w| w.wait_old_drained(deadline)) {
+            self.finish();
+            Ok(())
+        } else {
+            Err(self)
+        }
+    }
+
+    /// Waits however long it takes (for a thread of its own).
+    pub fn wait_all(mut self) {
+        while !self
+            .workers
+            .iter()
+            .all(|w| w.wait_old_drained(Instant::now() + Duration::from_secs(1)))
+        {}
+        self.finish();
+    }
+
+    fn finish(&mut self) {
+        if let Err(e) = self.old.sync_data() {
+            if let Some(n) = self.drive.stats.log.io.admit() {
+                warn!(drive = %self.drive.cfg.name, "fdatasync of the old engine after a switch failed: {e}{}", crate::util::suppressed(n));
+            }
+        }
+        *lock(&self.drive.unsynced) = None;
         self.done = true;
         self.drive.switching.store(false, Ordering::Release);
-        all
     }
 }
 
 impl Drop for Draining {
     fn drop(&mut self) {
         if !self.done {
-            let deadline = Instant::now() + self.drive.drain_timeout;
-            for w in &self.workers {
-                w.wait_old_drained(deadline);
-            }
-            self.drive.switching.store(false, Ordering::Release);
+            let rest = Draining {
+                drive: self.drive.clone(),
+                workers: std::mem::take(&mut self.workers),
+                old: self.old.clone(),
+                done: false,
+            };
+            self.done = true;
+            std::thread::spawn(move || rest.wait_all());
         }
     }
 }

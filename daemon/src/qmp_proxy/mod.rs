@@ -71,15 +71,9 @@ pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
         path: path.clone(),
         source,
     })?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
-    }
-    // QEMU's user runs libvirt's monitor relay (permits): the socket is theirs.
-    if let Some(o) = sup.vm_owner(&vm) {
-        if let Err(e) = std::os::unix::fs::lchown(&path, Some(o.uid), Some(o.gid)) {
-            warn!(vm = %vm, "cannot give {} to uid {}: {e}", path.display(), o.uid);
-        }
+    // 0600; QEMU's user's when it runs libvirt's monitor relay (permits).
+    if let Err(e) = crate::supervisor::secure_own(&path, 0o600, sup.vm_owner(&vm), false) {
+        warn!(vm = %vm, "{}", e.chain());
     }
     info!(vm = %vm, socket = %path.display(), "QMP proxy listening");
     let clients = Arc::new(AtomicU64::new(0));

@@ -104,6 +104,22 @@ pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
                     "acceld's QMP proxy: abstract unix sockets are not supported yet",
                 ));
             }
+            // acceld binds as root: for a VM whose QEMU is not, only in the VM's own
+            // directory (the parent is root's run dir, so no link leads elsewhere).
+            if ctx.sup.vm_owner(&ctx.vm).is_some() {
+                let dir = ctx.sup.cfg.run_dir.join(&ctx.vm);
+                let p = std::path::Path::new(path);
+                let plain = p
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n != ".." && n != ".");
+                if p.parent() != Some(dir.as_path()) || !plain {
+                    return Err(generic(format!(
+                        "acceld's QMP proxy: QEMU does not run as root here: the NBD server's socket must be in {}",
+                        dir.display()
+                    )));
+                }
+            }
             let _ = std::fs::remove_file(path);
             let l = UnixListener::bind(path).map_err(|e| {
                 generic(format!("Failed to bind socket to {path}: {e}"))
@@ -113,6 +129,12 @@ pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
         Some("inet") => {
             let host = data["host"].as_str().unwrap_or("");
             let port = data["port"].as_str().unwrap_or("");
+            let n = port.parse::<u16>().unwrap_or(0);
+            if ctx.sup.vm_owner(&ctx.vm).is_some() && n != 0 && n < 1024 {
+                return Err(generic(format!(
+                    "acceld's QMP proxy: QEMU does not run as root here: port {n} is privileged"
+                )));
+            }
             let l = TcpListener::bind((host, port.parse::<u16>().unwrap_or(0)))
                 .await
                 .map_err(|e| generic(format!("Failed to bind socket to {host}:{port}: {e}")))?;

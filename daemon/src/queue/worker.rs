@@ -261,6 +261,9 @@ struct Worker {
     engine: Arc<dyn Engine>,
     /// The engine an overlapped switch left, until its last request completed.
     old: Option<OldIo>,
+    /// A swap that came while `old` still had requests (the drive never sends one): taken
+    /// when `old` retires, so no old engine is dropped with requests on it.
+    pending_swap: Option<NextEngine>,
     epoll: Epoll,
     slots: Vec<InFlight>,
     free: Vec<usize>,
@@ -321,6 +324,7 @@ impl Worker {
             io,
             engine,
             old: None,
+            pending_swap: None,
             epoll,
             slots: (0..n).map(|_| InFlight::new()).collect(),
             free: (0..n).rev().collect(),
@@ -655,17 +659,15 @@ impl Worker {
     /// Returns the old context when nothing was in flight on it, to be dropped after the
     /// swap is acknowledged (its teardown is no part of the pause).
     fn swap_engine(&mut self, io: Box<dyn QueueIo>, engine: Arc<dyn Engine>) -> Option<NextEngine> {
-        if self.in_flight == 0 || self.old.is_some() {
-            // Nothing to finish (or, never with Drive::swap_engine, a swap before the last
-            // one finished: the worker would need two old engines): a plain replacement
-            // once nothing is in flight.
-            if self.old.is_some() {
-                error!(
-                    queue = self.index,
-                    "engine swap while the last one still finishes; replacing at once"
-                );
-            }
-            self.old = None;
+        if self.old.is_some() {
+            error!(
+                queue = self.index,
+                "engine swap while the last one still finishes; taken after it"
+            );
+            self.pending_swap = Some((io, engine));
+            return None;
+        }
+        if self.in_flight == 0 {
             return Some(self.replace_engine(io, engine));
         }
         for s in self.slots.iter_mut().filter(|s| s.mem.is_some()) {
@@ -701,8 +703,11 @@ impl Worker {
                 EpollEvent::default(),
             );
             drop(o);
+            if let Some((io, engine)) = self.pending_swap.take() {
+                drop(self.swap_engine(io, engine));
+            }
             let mut st = lock(&self.ctl.st);
-            st.old_drained = true;
+            st.old_drained = self.old.is_none();
             self.ctl.cv.notify_all();
         }
     }

@@ -19,9 +19,16 @@ use crate::util::LogLimit;
 pub(super) enum Scope {
     /// acceld's own control socket (root only).
     Root,
-    /// The VM's own socket.
-    Vm(String),
+    /// The VM's own socket, for the permit of this generation only.
+    Vm(String, u64),
 }
+
+/// Longest request line on a VM's own socket (a registration is a few KiB).
+const MAX_VM_REQUEST: usize = 64 << 10;
+/// Clients at once on a VM's own socket (the wrapper uses one).
+const MAX_VM_CLIENTS: usize = 4;
+/// A client of a VM's own socket that sends nothing this long is dropped.
+const VM_IDLE: Duration = Duration::from_secs(60);
 
 /// Longest request line; a client that sends more gets an error and is disconnected.
 pub const MAX_REQUEST: usize = 1 << 20;
@@ -36,30 +43,36 @@ pub(super) async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>, scop
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r);
     let mut line = Vec::new();
+    let max = match scope {
+        Scope::Root => MAX_REQUEST,
+        Scope::Vm(..) => MAX_VM_REQUEST,
+    };
     loop {
         line.clear();
-        let n = match (&mut r)
-            .take(MAX_REQUEST as u64 + 1)
-            .read_until(b'\n', &mut line)
-            .await
-        {
+        let mut limited = (&mut r).take(max as u64 + 1);
+        let read = limited.read_until(b'\n', &mut line);
+        let n = match &scope {
+            Scope::Root => read.await,
+            Scope::Vm(..) => tokio::time::timeout(VM_IDLE, read).await.unwrap_or(Ok(0)),
+        };
+        let n = match n {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        let too_long = n > MAX_REQUEST;
+        let too_long = n > max;
         if line.iter().all(u8::is_ascii_whitespace) && !too_long {
             continue;
         }
         let reply = if too_long {
             Reply::err(
                 ErrorKind::Invalid,
-                format!("request longer than {MAX_REQUEST} bytes"),
+                format!("request longer than {max} bytes"),
             )
         } else {
             match parse_request(&line) {
                 Ok(req) => match &scope {
                     Scope::Root => dispatch(&sup, req).await,
-                    Scope::Vm(vm) => dispatch_vm(&sup, vm, req).await,
+                    Scope::Vm(vm, generation) => dispatch_vm(&sup, vm, *generation, req).await,
                 },
                 Err(reply) => reply,
             }
@@ -147,15 +160,22 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
 
 /// A request on VM `vm`'s own socket: its registration (checked against its permit), its
 /// unregistration (the wrapper replacing a lost one; the permit stays) and its status.
-pub async fn dispatch_vm(sup: &Arc<Supervisor>, vm: &str, req: Request) -> Reply {
+pub async fn dispatch_vm(sup: &Arc<Supervisor>, vm: &str, generation: u64, req: Request) -> Reply {
+    // Every request, not just the registration: a connection outlives its permit.
+    if sup.permit_of(vm).is_none_or(|p| p.generation != generation) {
+        return Reply::err(
+            ErrorKind::Denied,
+            format!("VM {vm}'s permit this connection was made under has ended"),
+        );
+    }
     let res = match req {
         Request::Register {
             vm: name,
             qmp,
-            drives,
+            mut drives,
             cont,
             incoming,
-        } if name == vm => match sup.check_permitted(vm, &qmp, &drives) {
+        } if name == vm => match sup.check_permitted(vm, &qmp, &mut drives) {
             Ok(owner) => {
                 let s = sup.clone();
                 tokio::task::block_in_place(move || {
@@ -203,19 +223,18 @@ pub enum VmSocketError {
 
 /// Binds the VM's own control socket, the owner's alone (0600).
 fn bind_vm_socket(path: &std::path::Path, owner: Owner) -> Result<UnixListener, VmSocketError> {
-    use std::os::unix::fs::PermissionsExt;
     let _ = std::fs::remove_file(path);
     let l = UnixListener::bind(path).map_err(|source| VmSocketError::Listen {
         path: path.to_path_buf(),
         source,
     })?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .and_then(|()| std::os::unix::fs::lchown(path, Some(owner.uid), Some(owner.gid)))
-        .map_err(|source| VmSocketError::Chown {
+    crate::supervisor::secure_own(path, 0o600, Some(owner), false).map_err(|e| {
+        VmSocketError::Chown {
             path: path.to_path_buf(),
             uid: owner.uid,
-            source,
-        })?;
+            source: std::io::Error::other(e.chain()),
+        }
+    })?;
     Ok(l)
 }
 
@@ -233,6 +252,7 @@ fn serve_vm_socket(
 
 async fn serve_vm_socket_loop(sup: Arc<Supervisor>, vm: String, generation: u64, l: UnixListener) {
     let log = LogLimit::default();
+    let clients = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tokio::select! {
@@ -243,8 +263,17 @@ async fn serve_vm_socket_loop(sup: Arc<Supervisor>, vm: String, generation: u64,
                     };
                     match stream.peer_cred() {
                         Ok(c) if c.uid() == 0 || c.uid() == p.owner.uid => {
-                            let (s, scope) = (sup.clone(), Scope::Vm(vm.clone()));
-                            tokio::spawn(async move { handle_client(stream, s, scope).await });
+                            use std::sync::atomic::Ordering;
+                            if clients.fetch_add(1, Ordering::AcqRel) >= MAX_VM_CLIENTS {
+                                clients.fetch_sub(1, Ordering::AcqRel);
+                                continue;
+                            }
+                            let (s, scope) = (sup.clone(), Scope::Vm(vm.clone(), generation));
+                            let n = clients.clone();
+                            tokio::spawn(async move {
+                                handle_client(stream, s, scope).await;
+                                n.fetch_sub(1, Ordering::AcqRel);
+                            });
                         }
                         Ok(c) => {
                             if let Some(n) = log.admit() {

@@ -167,8 +167,18 @@ async fn run_async(cfg: Config) -> Result<(), RunError> {
         tokio::select! {
             c = listener.accept() => match c {
                 Ok((stream, _)) => {
-                    let s = sup.clone();
-                    tokio::spawn(async move { handle_client(stream, s, Scope::Root).await });
+                    // Root's socket (0600), and root's (or acceld's own user's) clients only,
+                    // whatever happens to the file's mode or owner.
+                    // SAFETY: geteuid has no preconditions and cannot fail.
+                    let me = unsafe { libc::geteuid() };
+                    match stream.peer_cred() {
+                        Ok(c) if c.uid() == 0 || c.uid() == me => {
+                            let s = sup.clone();
+                            tokio::spawn(async move { handle_client(stream, s, Scope::Root).await });
+                        }
+                        Ok(c) => warn!(uid = c.uid(), "control socket: refused a client of another user"),
+                        Err(e) => warn!("control socket: no peer credentials: {e}"),
+                    }
                 }
                 Err(e) => warn!("control socket accept: {e}"),
             },

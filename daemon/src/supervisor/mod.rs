@@ -55,7 +55,7 @@ mod switch;
 mod vm;
 
 pub use drive_state::{ManagedDrive, Recorded};
-pub use permit::{Owner, Permitted};
+pub use permit::{secure_own, Owner, Permitted};
 pub use persist::PersistError;
 pub use vm::Vm;
 
@@ -213,6 +213,8 @@ pub struct Supervisor {
     register_hook: Mutex<Option<RegisterHook>>,
     /// VMs whose QEMU's user may register them (`permit.rs`).
     permits: Mutex<BTreeMap<String, permit::Permit>>,
+    /// Names whose registration is under way (two at once would both build drives).
+    registering: Mutex<std::collections::BTreeSet<String>>,
 }
 
 type RegisterHook = Box<dyn Fn(&str) + Send + Sync>;
@@ -226,6 +228,7 @@ impl Supervisor {
             stopping: AtomicBool::new(false),
             register_hook: Mutex::new(None),
             permits: Mutex::new(BTreeMap::new()),
+            registering: Mutex::new(std::collections::BTreeSet::new()),
         })
     }
 

@@ -24,20 +24,64 @@ pub struct Owner {
     pub gid: u32,
 }
 
-impl Owner {
-    /// Gives `path` (not a link it may be) to the owner.
-    pub(super) fn chown(self, path: &Path) -> Result<(), SupError> {
-        std::os::unix::fs::lchown(path, Some(self.uid), Some(self.gid)).map_err(|source| {
-            SupError::Io {
-                what: format!(
-                    "cannot give {} to uid {} gid {}",
-                    path.display(),
-                    self.uid,
-                    self.gid
-                ),
-                source,
-            }
-        })
+/// Gives the socket or directory at `path` mode `mode` and, with `owner`, to that user,
+/// without following a link the user put there: the file is opened `O_PATH|O_NOFOLLOW`,
+/// checked (a socket with one link, or a directory) and changed through its descriptor.
+pub fn secure_own(path: &Path, mode: u32, owner: Option<Owner>, dir: bool) -> Result<(), SupError> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+    let io = |what: &str, source| SupError::Io {
+        what: format!("{what} {}", path.display()),
+        source,
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| io("cannot open", e))?;
+    let m = f.metadata().map_err(|e| io("cannot stat", e))?;
+    let ok = if dir {
+        m.file_type().is_dir()
+    } else {
+        m.file_type().is_socket() && m.nlink() == 1
+    };
+    if !ok {
+        return Err(SupError::Denied(format!(
+            "{} is not the {} acceld made",
+            path.display(),
+            if dir { "directory" } else { "socket" }
+        )));
+    }
+    // The descriptor's own inode, whatever the path names by now.
+    let fdp = PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd()));
+    std::fs::set_permissions(&fdp, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| io("cannot set the mode of", e))?;
+    if let Some(o) = owner {
+        std::os::unix::fs::chown(&fdp, Some(o.uid), Some(o.gid))
+            .map_err(|e| io(&format!("cannot give uid {} gid {}", o.uid, o.gid), e))?;
+    }
+    Ok(())
+}
+
+/// For a VM whose QEMU is not root, the image the direct engine is about to open (as root)
+/// must be the drive's registered image, which its permit allowed: QEMU (the user's process)
+/// reports the node's file name, and it could name any file.
+pub(super) fn check_owned_image(
+    owner: Option<Owner>,
+    registered: &Path,
+    path: &Path,
+) -> Result<(), SupError> {
+    if owner.is_none() {
+        return Ok(());
+    }
+    let real = |p: &Path| std::fs::canonicalize(p).ok();
+    match (real(registered), real(path)) {
+        (Some(a), Some(b)) if a == b => Ok(()),
+        _ => Err(SupError::Denied(format!(
+            "QEMU names {} for the direct engine; the drive's image is {} (QEMU does not run as root)",
+            path.display(),
+            registered.display()
+        ))),
     }
 }
 
@@ -102,8 +146,9 @@ impl Supervisor {
         }
         let dir = self.cfg.run_dir.join(vm);
         super::registry::create_owned_dir(&dir, Some(owner))?;
+        static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let generation = GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut permits = lock(&self.permits);
-        let generation = permits.values().map(|p| p.generation).max().unwrap_or(0) + 1;
         permits.insert(
             vm.to_string(),
             Permit {
@@ -156,7 +201,7 @@ impl Supervisor {
         &self,
         vm: &str,
         qmp: &Path,
-        drives: &[DriveSpec],
+        drives: &mut [DriveSpec],
     ) -> Result<Owner, SupError> {
         let p = self
             .permit_of(vm)
@@ -167,6 +212,13 @@ impl Supervisor {
                 "VM {vm}: QMP socket {} is not {}",
                 qmp.display(),
                 want.display()
+            )));
+        }
+        if drives.len() > p.images.len() {
+            return Err(SupError::Denied(format!(
+                "VM {vm}: {} drives for {} permitted images",
+                drives.len(),
+                p.images.len()
             )));
         }
         for d in drives {
@@ -181,6 +233,8 @@ impl Supervisor {
                     d.image.display()
                 )));
             }
+            // The path checked is the one used (no link swapped in between).
+            d.image = real;
         }
         Ok(p.owner)
     }

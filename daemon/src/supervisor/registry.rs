@@ -107,9 +107,19 @@ impl Supervisor {
         owner: Option<super::Owner>,
         drives: Vec<SavedDrive>,
     ) -> Result<Arc<Vm>, SupError> {
-        if lock(&self.vms).contains_key(&name) {
-            return Err(SupError::Exists(format!("VM {name} is already registered")));
+        {
+            let vms = lock(&self.vms);
+            if vms.contains_key(&name) || !lock(&self.registering).insert(name.clone()) {
+                return Err(SupError::Exists(format!("VM {name} is already registered")));
+            }
         }
+        struct Reserved<'a>(&'a Supervisor, String);
+        impl Drop for Reserved<'_> {
+            fn drop(&mut self) {
+                lock(&self.0.registering).remove(&self.1);
+            }
+        }
+        let _reserved = Reserved(self, name.clone());
         let dir = self.cfg.run_dir.join(&name);
         create_owned_dir(&dir, owner)?;
         let mut slots = BTreeMap::new();
@@ -197,6 +207,7 @@ impl Supervisor {
                     .as_ref()
                     .map(|p| PathBuf::from(&p.filename))
                     .unwrap_or_else(|| PathBuf::from(&rec.node.filename));
+                super::permit::check_owned_image(owner, &spec.image, &path)?;
                 let serve = policy::ServeSpec {
                     image: path,
                     read_only: spec.read_only,
@@ -219,10 +230,7 @@ impl Supervisor {
             drive.set_writeback(w && !spec.read_only);
         }
         let server = Server::bind(&socket, drive.clone())?;
-        set_mode(&socket, 0o600)?;
-        if let Some(o) = owner {
-            o.chown(&socket)?;
-        }
+        super::permit::secure_own(&socket, 0o600, owner, false)?;
         let stop = server.shutdown_handle();
         let id = spec.id.clone();
         let mut server = server;
@@ -359,20 +367,7 @@ pub(super) fn create_owned_dir(dir: &Path, owner: Option<super::Owner>) -> Resul
         what: format!("cannot create {}", dir.display()),
         source,
     })?;
-    if let Some(o) = owner {
-        o.chown(dir)?;
-    }
-    set_mode(dir, 0o700)
-}
-
-fn set_mode(p: &Path, mode: u32) -> Result<(), SupError> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(|source| {
-        SupError::Io {
-            what: format!("cannot set the mode of {}", p.display()),
-            source,
-        }
-    })
+    super::permit::secure_own(dir, 0o700, owner, true)
 }
 
 /// The guest-visible size of a non-raw image (`qemu-img info -U`).

@@ -94,6 +94,9 @@ impl Supervisor {
     ) -> Result<(), SupError> {
         let from = d.engine_kind();
         let drive = d.drive.clone();
+        if let Target::Direct(spec) = &to {
+            super::permit::check_owned_image(vm.owner, &d.spec.image, &spec.image)?;
+        }
         // From direct to the qemu engine, everything but the hand-over happens before the
         // pause: QEMU's nodes, its export (acceld's lock shares write meanwhile; QEMU writes
         // nothing until acceld connects) and the NBD handshake. The pause is then the drain,
@@ -149,13 +152,24 @@ impl Supervisor {
         let res = if let Some((rep, draining)) = swapped {
             let t = std::time::Instant::now();
             let timeout = Duration::from_millis(self.cfg.drain_timeout_ms);
-            if !block_in_place(|| draining.wait(timeout)) {
-                if let Some(n) = d.log.admit() {
-                    warn!(drive = %d.spec.id, "requests on the old engine did not finish within {timeout:?}; releasing it fails them{}", crate::util::suppressed(n));
+            match block_in_place(|| draining.wait(timeout)) {
+                Ok(()) => {
+                    debug!(drive = %d.spec.id, to = to.kind().as_str(), swap_us = rep.pause.as_micros() as u64, handover_us = rep.handover.as_micros() as u64, old_drain_us = t.elapsed().as_micros() as u64, "switch steps (overlapped)");
+                    old.release();
+                }
+                Err(draining) => {
+                    // Never release an engine with requests on it: a thread waits for them
+                    // and releases it then; no other switch starts meanwhile.
+                    if let Some(n) = d.log.admit() {
+                        warn!(drive = %d.spec.id, "requests on the old engine did not finish within {timeout:?}; it is released once they do{}", crate::util::suppressed(n));
+                    }
+                    let old = old.clone();
+                    std::thread::spawn(move || {
+                        draining.wait_all();
+                        old.release();
+                    });
                 }
             }
-            debug!(drive = %d.spec.id, to = to.kind().as_str(), swap_us = rep.pause.as_micros() as u64, handover_us = rep.handover.as_micros() as u64, old_drain_us = t.elapsed().as_micros() as u64, "switch steps (overlapped)");
-            old.release();
             Ok(rep)
         } else {
             let paused = match block_in_place(|| drive.pause()) {
@@ -170,6 +184,11 @@ impl Supervisor {
                 }
             };
             let drained = paused.elapsed();
+            // The next engine may be QEMU, whose flush covers only what it wrote itself:
+            // what the old direct engine wrote is made durable now.
+            if let Err(e) = old.sync_data() {
+                warn!(drive = %d.spec.id, "fdatasync before the switch failed: {e}");
+            }
             // The old engine gives the storage up: inside the pause when the new one still
             // has to be brought up (QEMU's nodes may need the image), after the resume when
             // it was prepared (both already share the image, and the old one is idle once

@@ -228,6 +228,19 @@ impl Supervisor {
             cmd: "connect".into(),
             source,
         })?;
+        // QEMU's user owns the directory of its QMP socket: a link there could lead acceld
+        // (root) to another process's monitor (another VM's, acceld's own proxy). The
+        // process serving it must run as QEMU's user.
+        if let Some(o) = vm.owner {
+            if qmp.peer_uid() != Some(o.uid) {
+                return Err(SupError::Denied(format!(
+                    "{} is served by uid {:?}, not by QEMU's user {}",
+                    vm.qmp_path.display(),
+                    qmp.peer_uid(),
+                    o.uid
+                )));
+            }
+        }
         let qmp = Arc::new(qmp);
         qmp.set_timeout(Duration::from_millis(self.cfg.qmp_timeout_ms));
         find_devices(vm, &qmp).await?;

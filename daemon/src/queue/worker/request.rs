@@ -227,6 +227,14 @@ impl Worker {
             Op::Flush => {
                 stats.flushes.fetch_add(1, Ordering::Relaxed);
                 self.slots[idx].stage = Stage::Flush;
+                // Right after an overlapped switch from the direct engine, writes that
+                // completed there are made durable first: QEMU's flush covers only what was
+                // written through QEMU.
+                if let Some(old) = self.drive.unsynced_old() {
+                    if let Err(e) = old.sync_data() {
+                        return self.io_error(idx, -e.raw_os_error().unwrap_or(libc::EIO));
+                    }
+                }
                 self.push(idx, IoOp::Flush);
             }
             Op::Discard { offset, len } => {
