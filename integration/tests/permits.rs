@@ -227,17 +227,21 @@ fn a_permit_lets_qemus_user_register_its_vm_and_nothing_else() -> Result<()> {
     // A connection made under one permit is worth nothing under the next one.
     let r = control::call(&root_sock, &permit(vec![img.clone()], NOBODY), CALL)?;
     assert!(r.ok, "{r:?}");
-    let mut kept = std::os::unix::net::UnixStream::connect(&vm_sock)?;
+    let kept = std::os::unix::net::UnixStream::connect(&vm_sock)?;
+    let ask = |mut s: &std::os::unix::net::UnixStream| -> Result<Reply> {
+        use std::io::{BufRead, Write};
+        writeln!(s, "{}", serde_json::to_string(&Request::Status)?)?;
+        let mut line = String::new();
+        std::io::BufReader::new(s).read_line(&mut line)?;
+        Ok(serde_json::from_str(&line)?)
+    };
+    // Served under the first permit (so the connection is established)...
+    assert!(ask(&kept)?.ok);
     let r = control::call(&root_sock, &permit(vec![img.clone()], NOBODY), CALL)?;
     assert!(r.ok, "{r:?}");
-    {
-        use std::io::{BufRead, Write};
-        writeln!(kept, "{}", serde_json::to_string(&Request::Status)?)?;
-        let mut line = String::new();
-        std::io::BufReader::new(&kept).read_line(&mut line)?;
-        let r: Reply = serde_json::from_str(&line)?;
-        assert!(denied(&r), "{r:?}");
-    }
+    // ...refused under the second.
+    let r = ask(&kept)?;
+    assert!(denied(&r), "{r:?}");
 
     // Root's unregister ends it all: no VM, no permit, no directory.
     let r = control::call(&root_sock, &Request::Unregister { vm: "pv".into() }, CALL)?;
