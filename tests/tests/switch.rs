@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use accel_tests::harness::{file_engine, ServerOptions, TestServer};
-use accel_tests::load::{fill_image, run_load, LoadSpec};
+use accel_tests::load::{fill_image, run_load, LoadReport, LoadSpec};
 use accel_tests::{BlkFrontend, FrontendOptions, S_OK, T_FLUSH};
+use acceld::drive::Drive;
 use acceld::engine::{Engine, IoMode};
 
 #[test]
@@ -33,14 +34,41 @@ fn hundred_switches_under_qd32_verified_load() {
         io: IoMode::Uring,
         ..Default::default()
     });
-    let bs = 4096u64;
-    let blocks = (32 << 20) / bs;
-    fill_image(&s.image, blocks * bs, 1).unwrap();
     // Two instances of the file engine on the same image, one per I/O mode: a switch moves
     // every queue from one to the other.
     let a: Arc<dyn Engine> = file_engine(&s.image, &opts);
     let b: Arc<dyn Engine> = file_engine(&s.image, &inline);
     assert_eq!((a.io_path(), b.io_path()), ("io_uring", "inline"));
+    let (total, mut pauses) = switches_under_load(&s, a, b, 42, |drive, to| {
+        let r = drive.switch_engine(to).expect("switch");
+        assert_eq!(r.queues, 2, "both queues were drained and moved");
+        r.pause
+    });
+    pauses.sort();
+    let p50 = pauses[pauses.len() / 2];
+    let p99 = pauses[pauses.len() * 99 / 100];
+    let max = *pauses.last().unwrap();
+    println!(
+        "100 switches under QD32 x 2 queues: {} reads, {} writes verified, 0 errors; \
+         pause p50 {:?}, p99 {:?}, max {:?}",
+        total.reads, total.writes, p50, p99, max
+    );
+}
+
+/// Runs the verifying QD32 load (seed `seed`) on both queues of `s` while a thread switches
+/// the drive 100 times, alternately to `b` and `a`, 5 ms apart, through `switch`; checks that
+/// nothing failed or mismatched and that every block verifies on the image. Returns the
+/// load's report and what each switch returned.
+fn switches_under_load<T: Send + 'static>(
+    s: &TestServer,
+    a: Arc<dyn Engine>,
+    b: Arc<dyn Engine>,
+    seed: u64,
+    switch: impl Fn(&Arc<Drive>, Arc<dyn Engine>) -> T + Send + 'static,
+) -> (LoadReport, Vec<T>) {
+    let bs = 4096u64;
+    let blocks = (32 << 20) / bs;
+    fill_image(&s.image, blocks * bs, 1).unwrap();
     let mut fe = BlkFrontend::connect(
         &s.socket,
         FrontendOptions {
@@ -68,38 +96,26 @@ fn hundred_switches_under_qd32_verified_load() {
                 self.0.store(true, Ordering::Relaxed);
             }
         }
-        let _done = Done(done2.clone());
-        let mut pauses = Vec::new();
+        let _done = Done(done2);
+        let mut out = Vec::new();
         for i in 0..100 {
             let to = if i % 2 == 0 { b.clone() } else { a.clone() };
-            let r = drive.switch_engine(to).expect("switch");
-            assert_eq!(r.queues, 2, "both queues were drained and moved");
-            pauses.push(r.pause);
+            out.push(switch(&drive, to));
             std::thread::sleep(Duration::from_millis(5));
         }
-        done2.store(true, Ordering::Relaxed);
-        pauses
+        out
     });
-    let spec = LoadSpec::verified_mix(blocks, 42, Some(done));
+    let spec = LoadSpec::verified_mix(blocks, seed, Some(done));
     // The load runs for as long as the switcher works.
     let total = run_load(&mut fe, &spec).unwrap();
     assert_eq!(total.errors, 0, "{:?}", total.mismatches);
     assert_eq!(total.mismatch_count, 0, "{:?}", total.mismatches);
     drop(fe);
-    let checked = total.verify_image(&s.image, bs as u32).unwrap();
-    assert_eq!(checked, blocks);
-    let mut pauses = switcher.join().unwrap();
-    pauses.sort();
-    let p50 = pauses[pauses.len() / 2];
-    let p99 = pauses[pauses.len() * 99 / 100];
-    let max = *pauses.last().unwrap();
-    println!(
-        "100 switches under QD32 x 2 queues: {} reads, {} writes verified, 0 errors; \
-         pause p50 {:?}, p99 {:?}, max {:?}",
-        total.reads, total.writes, p50, p99, max
-    );
+    assert_eq!(total.verify_image(&s.image, bs as u32).unwrap(), blocks);
+    let out = switcher.join().unwrap();
     assert!(total.reads > 1000 && total.writes > 1000);
-    assert_eq!(drive_switches(&s), 100);
+    assert_eq!(drive_switches(s), 100);
+    (total, out)
 }
 
 fn drive_switches(s: &TestServer) -> u64 {
@@ -119,58 +135,18 @@ fn hundred_overlapped_switches_under_qd32_verified_load() {
         ..Default::default()
     };
     let s = TestServer::start(&opts);
-    let bs = 4096u64;
-    let blocks = (32 << 20) / bs;
-    fill_image(&s.image, blocks * bs, 1).unwrap();
     // Two io_uring engines on the same image: requests stay in flight across each swap.
     let a: Arc<dyn Engine> = file_engine(&s.image, &opts);
     let b: Arc<dyn Engine> = file_engine(&s.image, &opts);
-    let mut fe = BlkFrontend::connect(
-        &s.socket,
-        FrontendOptions {
-            queues: 2,
-            queue_size: 128,
-            max_data: 4096,
-            event_idx: true,
-            inflight: false,
-        },
-    )
-    .unwrap();
-    for q in 0..2 {
-        assert_eq!(fe.request(q, T_FLUSH, 0, &[], 0).unwrap().0, S_OK);
-    }
-    let done = Arc::new(AtomicBool::new(false));
-    let drive = s.drive.clone();
-    let done2 = done.clone();
-    let switcher = std::thread::spawn(move || {
-        struct Done(Arc<AtomicBool>);
-        impl Drop for Done {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::Relaxed);
-            }
-        }
-        let _done = Done(done2.clone());
-        for i in 0..100 {
-            let to = if i % 2 == 0 { b.clone() } else { a.clone() };
-            let ahead = drive.open_contexts(to.as_ref()).expect("contexts");
-            let (r, draining) = drive.swap_engine(to, ahead).map_err(|e| e.1).expect("swap");
-            assert_eq!(r.queues, 2);
-            assert!(
-                draining.wait(Duration::from_secs(10)).is_ok(),
-                "old engine drained"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+    switches_under_load(&s, a, b, 43, |drive, to| {
+        let ahead = drive.open_contexts(to.as_ref()).expect("contexts");
+        let (r, draining) = drive.swap_engine(to, ahead).map_err(|e| e.1).expect("swap");
+        assert_eq!(r.queues, 2);
+        assert!(
+            draining.wait(Duration::from_secs(10)).is_ok(),
+            "old engine drained"
+        );
     });
-    let spec = LoadSpec::verified_mix(blocks, 43, Some(done));
-    let total = run_load(&mut fe, &spec).unwrap();
-    assert_eq!(total.errors, 0, "{:?}", total.mismatches);
-    assert_eq!(total.mismatch_count, 0, "{:?}", total.mismatches);
-    drop(fe);
-    assert_eq!(total.verify_image(&s.image, bs as u32).unwrap(), blocks);
-    switcher.join().unwrap();
-    assert!(total.reads > 1000 && total.writes > 1000);
-    assert_eq!(drive_switches(&s), 100);
     let overlapped = s.drive.stats.overlapped.load(Ordering::Relaxed);
     println!("100 overlapped switches x 2 queues: {overlapped} queue swaps had requests in flight");
     assert!(overlapped > 0, "no swap found a request in flight");
@@ -184,7 +160,6 @@ fn hundred_overlapped_switches_under_qd32_verified_load() {
 fn an_overlapped_switch_leaves_a_held_request_on_the_old_engine() {
     use accel_tests::{header, Buf, Used, T_OUT};
     use acceld::engine::nbd::NbdEngine;
-    use std::io::{Read, Write};
     use std::os::unix::fs::FileExt;
     use std::os::unix::net::UnixListener;
     let s = TestServer::start(&ServerOptions {
@@ -216,40 +191,15 @@ fn an_overlapped_switch_leaves_a_held_request_on_the_old_engine() {
                 {
                     return;
                 }
-                loop {
-                    let mut h = [0u8; 28];
-                    if c.read_exact(&mut h).is_err() {
-                        return;
+                // The hold hook blocks until the test releases the write, which is then
+                // performed and answered.
+                let _ = accel_tests::nbd_server::serve_file(&mut c, &f, |off| {
+                    if off == held_at {
+                        held_tx.send(()).unwrap();
+                        release_rx.lock().unwrap().recv().unwrap();
                     }
-                    let typ = u16::from_be_bytes(h[6..8].try_into().unwrap());
-                    let off = u64::from_be_bytes(h[16..24].try_into().unwrap());
-                    let len = u32::from_be_bytes(h[24..28].try_into().unwrap()) as usize;
-                    let mut payload = Vec::new();
-                    match typ {
-                        0 => {
-                            payload = vec![0u8; len];
-                            f.read_exact_at(&mut payload, off).unwrap();
-                        }
-                        1 => {
-                            let mut d = vec![0u8; len];
-                            c.read_exact(&mut d).unwrap();
-                            if off == held_at {
-                                held_tx.send(()).unwrap();
-                                release_rx.lock().unwrap().recv().unwrap();
-                            }
-                            f.write_all_at(&d, off).unwrap();
-                        }
-                        2 => return,
-                        _ => {}
-                    }
-                    let mut out = 0x6744_6698u32.to_be_bytes().to_vec();
-                    out.extend_from_slice(&0u32.to_be_bytes());
-                    out.extend_from_slice(&h[8..16]);
-                    out.extend_from_slice(&payload);
-                    if c.write_all(&out).is_err() {
-                        return;
-                    }
-                }
+                    false
+                });
             });
         }
     });

@@ -85,11 +85,12 @@ pub(super) async fn handle_client(stream: UnixStream, sup: Arc<Supervisor>, scop
     }
 }
 
+fn json<T: serde::Serialize>(r: Result<T, SupError>) -> Result<serde_json::Value, SupError> {
+    r.map(|v| serde_json::to_value(v).expect("replies serialize"))
+}
+
 pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
     use policy::Pin;
-    fn json<T: serde::Serialize>(r: Result<T, SupError>) -> Result<serde_json::Value, SupError> {
-        r.map(|v| serde_json::to_value(v).expect("replies serialize"))
-    }
     let res = match req {
         Request::Register {
             vm,
@@ -118,7 +119,7 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
                         tokio::spawn(serve_vm_socket(sup.clone(), vm, p.generation, l));
                     }
                     Err(e) => {
-                        sup.end_permit_of(&vm);
+                        sup.end_permit(&vm);
                         return Reply::err(ErrorKind::Failed, crate::error_chain(&e));
                     }
                 }
@@ -178,21 +179,17 @@ pub async fn dispatch_vm(sup: &Arc<Supervisor>, vm: &str, generation: u64, req: 
         } if name == vm => match sup.check_permitted(vm, &qmp, &mut drives) {
             Ok(owner) => {
                 let s = sup.clone();
-                tokio::task::block_in_place(move || {
+                json(tokio::task::block_in_place(move || {
                     s.register(name, qmp, drives, cont, incoming, Some(owner))
-                })
-                .map(|v| serde_json::to_value(v).expect("replies serialize"))
+                }))
             }
             Err(e) => Err(e),
         },
-        Request::Unregister { vm: name } if name == vm => sup
-            .unregister(vm, true)
-            .await
-            .map(|v| serde_json::to_value(v).expect("replies serialize")),
+        Request::Unregister { vm: name } if name == vm => json(sup.unregister(vm, true).await),
         Request::Status => {
             let mut st = sup.status();
             st.vms.retain(|v| v.vm == vm);
-            Ok(serde_json::to_value(st).expect("replies serialize"))
+            json(Ok(st))
         }
         _ => Err(SupError::Denied(format!(
             "VM {vm}'s control socket takes only register, unregister and status of {vm}"

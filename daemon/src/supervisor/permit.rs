@@ -180,14 +180,10 @@ impl Supervisor {
         lock(&self.permits).get(vm).cloned()
     }
 
-    /// Ends the VM's permit (if any), for the run layer when its socket cannot be served.
-    pub fn end_permit_of(&self, vm: &str) {
-        self.end_permit(vm);
-    }
-
     /// Ends the VM's permit (if any): its control socket goes (also one an acceld before a
-    /// restart left), and its directory if empty.
-    pub(super) fn end_permit(&self, vm: &str) {
+    /// restart left), and its directory if empty. Also for the run layer, when the socket
+    /// cannot be served.
+    pub fn end_permit(&self, vm: &str) {
         if lock(&self.permits).remove(vm).is_some() {
             info!(vm, "permit ended");
         }
