@@ -32,6 +32,12 @@ pub struct ServeArgs {
     /// The NBD export's name (with --nbd-socket).
     #[arg(long)]
     pub nbd_export: Option<String>,
+    /// Lend the guest's rings to QEMU's vhost-user-blk export of the same node, listening on
+    /// this socket, whenever the queues run (with --nbd-socket, which serves them when they
+    /// are taken back). The export then serves the guest directly; see `drive::lend` for
+    /// what the guest can tell.
+    #[arg(long, requires = "nbd_socket")]
+    pub lend_to: Option<PathBuf>,
     /// vhost-user socket to listen on (QEMU: -chardev socket,path=...).
     #[arg(long)]
     pub socket: PathBuf,
@@ -141,6 +147,8 @@ pub enum ServeCmdError {
     Serve(#[from] ServeError),
     #[error("cannot install the signal handler")]
     Signals(#[source] std::io::Error),
+    #[error("cannot start the lender thread")]
+    Lender(#[source] std::io::Error),
 }
 
 impl ServeArgs {
@@ -231,7 +239,16 @@ pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
         engine = drive.engine().io_path(),
         "serving"
     );
+    let lender = match &args.lend_to {
+        Some(p) => Some(
+            drive
+                .spawn_lender(p.clone())
+                .map_err(ServeCmdError::Lender)?,
+        ),
+        None => None,
+    };
     server.run()?;
+    drop(lender);
     // Drop the image locks now, not when the kernel tears the rings down after exit.
     drive.engine().release();
     info!(connections = server.connections, "drained, exiting");

@@ -18,10 +18,12 @@ use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig, HeldEngin
 use crate::util::lock;
 use crate::virtio_blk::{BlkConfig, DiskGeometry, SECTOR_SHIFT};
 
+pub mod lend;
 pub mod queue_ctl;
 pub mod stats;
 pub mod switch;
 
+pub use lend::{LendError, LendReport, Lender};
 pub use queue_ctl::{NextEngine, QueueCtl};
 pub use stats::{AcctClass, BlockAcct, DriveStats, LatencyHistogram};
 pub use switch::{Draining, Paused, SwitchError, SwitchReport};
@@ -132,6 +134,15 @@ pub struct Drive {
     /// The frontend's backend channel (vhost-user `SET_BACKEND_REQ_FD`), kept by the vhost
     /// layer to tell the frontend that the config space changed.
     pub backend_channel: Mutex<Option<std::os::unix::net::UnixStream>>,
+    /// The features the guest's driver negotiated (vhost-user SET_FEATURES).
+    acked_features: std::sync::atomic::AtomicU64,
+    /// Held by whoever changes who owns the rings: each vhost-user message, a lend, a
+    /// take-back (see `lend`).
+    ring_gate: Mutex<()>,
+    /// The rings lent to QEMU's export, while they are.
+    lent: Mutex<Option<lend::Lent>>,
+    /// (changes of the running queues, a lender must stop), for a [`lend::Lender`].
+    queue_events: (Mutex<(u64, bool)>, std::sync::Condvar),
     pub stats: DriveStats,
     pub drain_timeout: Duration,
 }
@@ -144,6 +155,10 @@ impl Drive {
             cfg,
             capacity,
             backend_channel: Mutex::new(None),
+            acked_features: std::sync::atomic::AtomicU64::new(0),
+            ring_gate: Mutex::new(()),
+            lent: Mutex::new(None),
+            queue_events: (Mutex::new((0, false)), std::sync::Condvar::new()),
             engine: Mutex::new(EngineState {
                 engine,
                 generation: 0,
@@ -325,10 +340,12 @@ impl Drive {
             engine.open_queue(ctl.index(), depth)?
         };
         lock(&self.running).push(ctl.clone());
+        self.queues_changed();
         Ok((io, engine))
     }
 
     pub(crate) fn detach_worker(&self, ctl: &Arc<QueueCtl>) {
         lock(&self.running).retain(|c| !Arc::ptr_eq(c, ctl));
+        self.queues_changed();
     }
 }

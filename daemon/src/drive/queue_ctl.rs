@@ -8,6 +8,7 @@ use std::time::Instant;
 use tracing::error;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::drive::lend::RingLoan;
 use crate::engine::{Engine, QueueIo};
 use crate::util::lock;
 
@@ -63,6 +64,14 @@ pub(crate) struct CtlState {
     pub(crate) old_drained: bool,
     /// How long the worker took no requests while it took the swap.
     pub(crate) swap_took: std::time::Duration,
+    /// Park and describe the ring for a lend (the worker is paused and drained).
+    pub(crate) lend: bool,
+    /// The worker's answer to `lend`: its ring, or why it cannot park.
+    pub(crate) loan: Option<Result<RingLoan, String>>,
+    /// The worker is parked: its ring is lent.
+    pub(crate) lent: bool,
+    /// Take the ring back at this next avail index.
+    pub(crate) reclaim: Option<u16>,
 }
 
 impl QueueCtl {
@@ -174,6 +183,47 @@ impl QueueCtl {
     /// Waits until the worker's requests on the old engine have all completed (or it exited).
     pub fn wait_old_drained(&self, deadline: Instant) -> bool {
         self.wait_for(Some(deadline), |st| st.old_drained || st.exited)
+    }
+
+    /// Asks a paused, drained worker to park for a lend and describe its ring.
+    pub(crate) fn request_lend(&self) {
+        let mut st = lock(&self.st);
+        st.lend = true;
+        st.loan = None;
+        drop(st);
+        self.poke();
+    }
+
+    /// The parked worker's ring, or None when it could not park by `deadline` (it is then
+    /// parked or not; [`QueueCtl::request_reclaim`] undoes either).
+    pub(crate) fn wait_loan(&self, deadline: Instant) -> Option<RingLoan> {
+        if !self.wait_for(Some(deadline), |st| st.loan.is_some() || st.exited) {
+            return None;
+        }
+        match lock(&self.st).loan.take() {
+            Some(Ok(l)) => Some(l),
+            Some(Err(why)) => {
+                error!(queue = self.index, "cannot park for a lend: {why}");
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Gives a parked worker its ring back at `next_avail` (it stays paused).
+    pub(crate) fn request_reclaim(&self, next_avail: u16) {
+        let mut st = lock(&self.st);
+        st.lend = false;
+        st.reclaim = Some(next_avail);
+        drop(st);
+        self.poke();
+    }
+
+    /// Waits until the worker took its ring back (or exited).
+    pub(crate) fn wait_reclaimed(&self, deadline: Instant) -> bool {
+        self.wait_for(Some(deadline), |st| {
+            (!st.lent && st.reclaim.is_none()) || st.exited
+        })
     }
 
     /// Marks a worker that has not started yet as paused from its first moment.

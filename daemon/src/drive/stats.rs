@@ -30,6 +30,8 @@ pub struct DriveStats {
     /// old engine).
     pub overlapped: AtomicU64,
     pub last_pause_us: AtomicU64,
+    /// Times the drive's rings were lent to QEMU's export (see `drive::lend`).
+    pub lends: AtomicU64,
     /// The last migration switchover's stop of the drive's last ring, as the source saw it:
     /// drain, fdatasync and image release, until the GET_VRING_BASE reply (microseconds).
     pub switchover_stop_us: AtomicU64,

@@ -48,8 +48,14 @@ impl Drive {
     /// cancelled. On a drain timeout the queues resume on the current engine.
     ///
     /// The returned [`Paused`] ends the pause: [`Paused::resume`] on a new engine (or the same
-    /// one); dropping it resumes on the current engine.
+    /// one); dropping it resumes on the current engine. Lent rings are taken back first.
     pub fn pause(self: &Arc<Self>) -> Result<Paused, SwitchError> {
+        self.reclaim_rings();
+        self.pause_now()
+    }
+
+    /// [`Drive::pause`] of rings acceld serves now (a lend is in place: `Busy`).
+    pub(crate) fn pause_now(self: &Arc<Self>) -> Result<Paused, SwitchError> {
         if self.switching.swap(true, Ordering::AcqRel) {
             return Err(SwitchError::Busy(self.cfg.name.clone()));
         }
@@ -125,6 +131,7 @@ impl Drive {
         new: Arc<dyn Engine>,
         mut ahead: Contexts,
     ) -> Result<(SwitchReport, Draining), (Contexts, SwitchError)> {
+        self.reclaim_rings();
         if self.switching.swap(true, Ordering::AcqRel) {
             return Err((ahead, SwitchError::Busy(self.cfg.name.clone())));
         }
@@ -382,6 +389,42 @@ impl Paused {
             pause,
             handover: pause,
         })
+    }
+}
+
+impl Paused {
+    /// Ends the pause object without resuming: the queues stay paused and the drive keeps
+    /// its switch flag, until [`Drive::resume_after_lend`] (the rings are lent meanwhile).
+    pub(crate) fn keep(mut self) {
+        self.ended = true;
+    }
+}
+
+impl Drive {
+    /// Resumes the queues after a lend (see `lend`): the lent ones on the contexts they kept,
+    /// any other on a fresh context of the current engine; then the drive takes switches
+    /// again.
+    pub(crate) fn resume_after_lend(&self, lent: &[Arc<QueueCtl>]) {
+        let _a = lock(&self.attach_lock);
+        let engine = {
+            let mut slot = lock(&self.engine);
+            slot.paused = false;
+            slot.engine.clone()
+        };
+        for w in lock(&self.running).iter() {
+            if lent.iter().any(|l| Arc::ptr_eq(l, w)) || engine.holds() {
+                w.resume(None);
+                continue;
+            }
+            match engine.open_queue(w.index(), w.depth()) {
+                Ok(io) => w.resume(Some((io, engine.clone()))),
+                Err(e) => {
+                    warn!(drive = %self.cfg.name, queue = w.index(), "cannot reopen the engine: {e}");
+                    w.resume(None)
+                }
+            }
+        }
+        self.switching.store(false, Ordering::Release);
     }
 }
 

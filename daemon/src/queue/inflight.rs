@@ -258,6 +258,12 @@ impl InflightQueue {
         }
     }
 
+    /// Another back-end (QEMU's export, during a lend) moved the used index to `used_idx`,
+    /// with nothing of ours in flight.
+    pub fn resync(&self, used_idx: u16) {
+        self.used_idx().store(used_idx, Ordering::Release);
+    }
+
     /// Before `head` goes into the used ring.
     pub fn pre_put(&self, head: u16) {
         self.last_batch_head().store(head, Ordering::Release);

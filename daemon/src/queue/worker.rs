@@ -276,6 +276,12 @@ struct Worker {
     bounce_wait: VecDeque<usize>,
     id: [u8; virtio_blk::ID_BYTES],
     paused: bool,
+    /// The ring is lent to QEMU's export: the kick eventfd is not watched and the ring is not
+    /// touched until it comes back (see `drive::lend`).
+    lent: bool,
+    /// The next batch interrupts the driver whatever EVENT_IDX says (after a lend, the
+    /// notification state the queue kept is stale).
+    force_call: bool,
     stopping: bool,
     acked: bool,
     /// Stopped popping because no slot was free.
@@ -339,6 +345,8 @@ impl Worker {
             bounce_wait: VecDeque::new(),
             id,
             paused,
+            lent: false,
+            force_call: false,
             stopping: false,
             acked: false,
             starved: false,
@@ -614,6 +622,28 @@ impl Worker {
         if st.stop {
             self.stopping = true;
         }
+        if std::mem::take(&mut st.lend) {
+            let ready = self.paused && self.in_flight == 0 && !self.lent && self.old.is_none();
+            drop(st);
+            let loan = if ready {
+                self.park()
+            } else {
+                Err("the queue is not paused and drained".to_string())
+            };
+            st = lock(&self.ctl.st);
+            st.lent = loan.is_ok();
+            st.loan = Some(loan);
+            self.ctl.cv.notify_all();
+        }
+        if let Some(base) = st.reclaim.take() {
+            drop(st);
+            if self.lent {
+                self.unpark(base);
+            }
+            st = lock(&self.ctl.st);
+            st.lent = false;
+            self.ctl.cv.notify_all();
+        }
         if let Some((io, engine)) = st.swap.take() {
             drop(st);
             let t = Instant::now();
@@ -651,6 +681,77 @@ impl Worker {
             }
             self.process_avail();
         }
+    }
+
+    /// Parks the (paused, drained) queue for a lend: `avail_event` is set to the next avail
+    /// index (with EVENT_IDX, the export's progress is read from it), the kick eventfd leaves
+    /// the epoll set, and the ring is described with copies of the guest's eventfds.
+    fn park(&mut self) -> Result<crate::drive::lend::RingLoan, String> {
+        let mem = self.memory();
+        let kick = self
+            .kick
+            .try_clone()
+            .map_err(|e| format!("kick eventfd: {e}"))?;
+        let call = match lock(&self.call).as_ref() {
+            Some(c) => Some(c.try_clone().map_err(|e| format!("call eventfd: {e}"))?),
+            None => None,
+        };
+        if self.queue.event_idx_enabled() {
+            self.queue
+                .enable_notification(&*mem)
+                .map_err(|e| format!("avail_event: {e}"))?;
+        }
+        self.epoll
+            .ctl(
+                ControlOperation::Delete,
+                self.kick.as_raw_fd(),
+                EpollEvent::default(),
+            )
+            .map_err(|e| format!("epoll: {e}"))?;
+        self.lent = true;
+        Ok(crate::drive::lend::RingLoan {
+            index: self.index,
+            size: self.queue.size(),
+            desc: self.queue.desc_table(),
+            avail: self.queue.avail_ring(),
+            used: self.queue.used_ring(),
+            next_avail: self.queue.next_avail(),
+            event_idx: self.queue.event_idx_enabled(),
+            kick,
+            call,
+            mem,
+        })
+    }
+
+    /// Takes the ring back from a lend at `next_avail` (the export's base): the used index
+    /// is read from the ring, the kick eventfd is watched again, and the driver is
+    /// interrupted once (the export may have completed requests without an interrupt the
+    /// driver still waits for; a spurious one is harmless).
+    fn unpark(&mut self, next_avail: u16) {
+        let mem = self.memory();
+        self.queue.set_next_avail(next_avail);
+        match self.queue.used_idx(&*mem, Ordering::Acquire) {
+            Ok(u) => {
+                self.queue.set_next_used(u.0);
+                if let Some(iq) = &self.inflight {
+                    iq.resync(u.0);
+                }
+            }
+            Err(e) => self.mark_broken(&RingError::Access(e.to_string())),
+        }
+        if let Err(e) = self.epoll.ctl(
+            ControlOperation::Add,
+            self.kick.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_KICK),
+        ) {
+            error!(
+                queue = self.index,
+                "cannot watch the kick eventfd again: {e}"
+            );
+        }
+        self.lent = false;
+        self.force_call = true;
+        self.call_unconditionally();
     }
 
     /// An overlapped switch: new requests go to `io` at once, the ones in flight finish on
@@ -865,8 +966,8 @@ impl Worker {
         self.used_added = false;
         let mem = self.memory();
         match self.queue.needs_notification(&*mem) {
-            Ok(true) => self.call_unconditionally(),
-            Ok(false) => {}
+            Ok(n) if n || std::mem::take(&mut self.force_call) => self.call_unconditionally(),
+            Ok(_) => {}
             Err(e) => self.mark_broken(&RingError::Access(e.to_string())),
         }
     }

@@ -429,6 +429,7 @@ impl VhostUserBackendReqHandlerMut for Connection {
         }
         self.log.set_log_all(log_all);
         self.acked_features = features;
+        self.drive.set_acked_features(features);
         self.drive.features_acked(
             features & (1 << virtio_blk::F_FLUSH) != 0,
             features & (1 << virtio_blk::F_CONFIG_WCE) != 0,
@@ -867,7 +868,9 @@ impl Server {
                 if let Some(ch) = backend_channel::peek(handler.as_raw_fd()) {
                     *lock(&self.drive.backend_channel) = Some(ch);
                 }
-                match handler.handle_request() {
+                // Lent rings come back before any message of QEMU's front-end is handled
+                // (a ring stop, a memory table, dirty logging all find acceld serving).
+                match self.drive.with_rings_owned(|| handler.handle_request()) {
                     Ok(()) => {}
                     // The frontend's request was answered with an error; the stream is
                     // intact, so the connection goes on.
@@ -901,7 +904,7 @@ impl Server {
                 }
             }
             // Drain before the socket closes (dropping the handler closes it).
-            lock(&conn).stop_all();
+            self.drive.with_rings_owned(|| lock(&conn).stop_all());
             *lock(&self.drive.backend_channel) = None;
             drop(handler);
         }

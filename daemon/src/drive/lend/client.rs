@@ -1,0 +1,309 @@
+//! A vhost-user front-end of QEMU's `vhost-user-blk` export, just enough to lend it a guest's
+//! rings: the session set-up QEMU's own front-end sends, SET_VRING_KICK without a descriptor
+//! (the export stops popping), and GET_VRING_BASE. Every message that changes state asks for
+//! an acknowledgement (REPLY_ACK), so an error is seen at the message that caused it.
+//!
+//! The export's replies are input like any other: a reply to another request, a short one or
+//! an unknown flag fails the session with an error, never a panic or a wait without end (every
+//! read and write on the socket is bounded by [`IO_TIMEOUT`]).
+
+use std::io::{self, Read};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use thiserror::Error;
+
+/// The longest the export may take to answer one message.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+const GET_FEATURES: u32 = 1;
+const SET_FEATURES: u32 = 2;
+const SET_OWNER: u32 = 3;
+const SET_MEM_TABLE: u32 = 5;
+const SET_VRING_NUM: u32 = 8;
+const SET_VRING_ADDR: u32 = 9;
+const SET_VRING_BASE: u32 = 10;
+const GET_VRING_BASE: u32 = 11;
+const SET_VRING_KICK: u32 = 12;
+const SET_VRING_CALL: u32 = 13;
+const GET_PROTOCOL_FEATURES: u32 = 15;
+const SET_PROTOCOL_FEATURES: u32 = 16;
+const GET_QUEUE_NUM: u32 = 17;
+const SET_VRING_ENABLE: u32 = 18;
+
+const VERSION: u32 = 0x1;
+const REPLY: u32 = 0x4;
+const NEED_REPLY: u32 = 0x8;
+const NOFD: u64 = 0x100;
+
+/// VHOST_USER_F_PROTOCOL_FEATURES, a virtio feature bit of vhost-user.
+pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
+const PROTOCOL_MQ: u64 = 1 << 0;
+const PROTOCOL_REPLY_ACK: u64 = 1 << 3;
+
+/// Most regions one SET_MEM_TABLE carries (without CONFIGURE_MEM_SLOTS).
+pub const MAX_REGIONS: usize = 8;
+
+#[derive(Debug, Error)]
+pub enum ClientError {
+    #[error("cannot connect to the export's socket {path}")]
+    Connect {
+        path: std::path::PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("vhost-user request {req} to the export")]
+    Io {
+        req: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the export refused request {req} (status {status})")]
+    Refused { req: u32, status: u64 },
+    #[error("the export's reply to request {req} is malformed: {what}")]
+    BadReply { req: u32, what: String },
+    #[error("the export lacks what the guest negotiated: {0}")]
+    Unsupported(String),
+}
+
+/// One guest memory region as the export gets it: the guest-physical range and where it
+/// lies in `fd`. The table's "user address" of a region is its guest-physical address, so
+/// ring addresses are sent as guest-physical addresses too.
+#[derive(Clone, Copy, Debug)]
+pub struct Region<'a> {
+    pub gpa: u64,
+    pub size: u64,
+    pub fd: BorrowedFd<'a>,
+    pub offset: u64,
+}
+
+/// The addresses and position of one split ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingAddr {
+    pub index: u32,
+    pub size: u16,
+    pub desc: u64,
+    pub avail: u64,
+    pub used: u64,
+    /// The next avail entry the export pops.
+    pub base: u16,
+}
+
+/// A session with the export.
+pub struct Client {
+    sock: UnixStream,
+    reply_ack: bool,
+}
+
+impl Client {
+    /// Connects and negotiates: the guest's `features` (which must all be offered by the
+    /// export, PROTOCOL_FEATURES aside), REPLY_ACK and MQ, SET_OWNER. `queues` rings are
+    /// needed.
+    pub fn connect(path: &Path, features: u64, queues: u32) -> Result<Client, ClientError> {
+        let sock = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let io = |source| ClientError::Io { req: 0, source };
+        sock.set_read_timeout(Some(IO_TIMEOUT)).map_err(io)?;
+        sock.set_write_timeout(Some(IO_TIMEOUT)).map_err(io)?;
+        let mut c = Client {
+            sock,
+            reply_ack: false,
+        };
+        let offered = c.get_u64(GET_FEATURES)?;
+        let wanted = features & !F_PROTOCOL_FEATURES;
+        if wanted & !offered != 0 {
+            return Err(ClientError::Unsupported(format!(
+                "virtio features {:#x}",
+                wanted & !offered
+            )));
+        }
+        if offered & F_PROTOCOL_FEATURES == 0 {
+            return Err(ClientError::Unsupported("protocol features".into()));
+        }
+        let proto = c.get_u64(GET_PROTOCOL_FEATURES)?;
+        let need = PROTOCOL_REPLY_ACK | if queues > 1 { PROTOCOL_MQ } else { 0 };
+        if proto & need != need {
+            return Err(ClientError::Unsupported(format!(
+                "protocol features {:#x}",
+                need & !proto
+            )));
+        }
+        c.set(SET_PROTOCOL_FEATURES, &(proto & need).to_le_bytes(), &[])?;
+        c.reply_ack = true;
+        if queues > 1 {
+            let n = c.get_u64(GET_QUEUE_NUM)?;
+            if n < u64::from(queues) {
+                return Err(ClientError::Unsupported(format!(
+                    "{queues} queues (the export has {n})"
+                )));
+            }
+        }
+        c.set(SET_OWNER, &[], &[])?;
+        c.set(
+            SET_FEATURES,
+            &(wanted | F_PROTOCOL_FEATURES).to_le_bytes(),
+            &[],
+        )?;
+        Ok(c)
+    }
+
+    /// The guest's memory (at most [`MAX_REGIONS`] regions).
+    pub fn set_mem_table(&mut self, regions: &[Region<'_>]) -> Result<(), ClientError> {
+        if regions.is_empty() || regions.len() > MAX_REGIONS {
+            return Err(ClientError::Unsupported(format!(
+                "{} memory regions (1 to {MAX_REGIONS})",
+                regions.len()
+            )));
+        }
+        let mut p = Vec::with_capacity(8 + 32 * regions.len());
+        p.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+        p.extend_from_slice(&0u32.to_le_bytes());
+        for r in regions {
+            for v in [r.gpa, r.size, r.gpa, r.offset] {
+                p.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let fds: Vec<BorrowedFd<'_>> = regions.iter().map(|r| r.fd).collect();
+        self.set(SET_MEM_TABLE, &p, &fds)
+    }
+
+    /// Hands one ring over: size, base, addresses, the call eventfd, then the kick eventfd
+    /// (the export may complete a request as soon as it has the kick; the call must be there
+    /// first), then enables it.
+    pub fn start_ring(
+        &mut self,
+        r: &RingAddr,
+        call: Option<BorrowedFd<'_>>,
+        kick: BorrowedFd<'_>,
+    ) -> Result<(), ClientError> {
+        self.set(SET_VRING_NUM, &state(r.index, u32::from(r.size)), &[])?;
+        self.set(SET_VRING_BASE, &state(r.index, u32::from(r.base)), &[])?;
+        let mut a = Vec::with_capacity(40);
+        a.extend_from_slice(&r.index.to_le_bytes());
+        a.extend_from_slice(&0u32.to_le_bytes());
+        for v in [r.desc, r.used, r.avail, 0] {
+            a.extend_from_slice(&v.to_le_bytes());
+        }
+        self.set(SET_VRING_ADDR, &a, &[])?;
+        match call {
+            Some(fd) => self.set(SET_VRING_CALL, &u64::from(r.index).to_le_bytes(), &[fd])?,
+            None => self.set(
+                SET_VRING_CALL,
+                &(u64::from(r.index) | NOFD).to_le_bytes(),
+                &[],
+            )?,
+        }
+        self.set(SET_VRING_KICK, &u64::from(r.index).to_le_bytes(), &[kick])?;
+        self.set(SET_VRING_ENABLE, &state(r.index, 1), &[])
+    }
+
+    /// Takes the kick eventfd away from ring `index`: once acknowledged, the export pops
+    /// nothing more from it (it pops only in its kick handler, on the same thread that
+    /// answers).
+    pub fn detach_kick(&mut self, index: u32) -> Result<(), ClientError> {
+        self.set(
+            SET_VRING_KICK,
+            &(u64::from(index) | NOFD).to_le_bytes(),
+            &[],
+        )
+    }
+
+    /// Stops ring `index` and returns the export's next avail index. QEMU's export answers
+    /// at once, whatever it still has in flight: call it only once the ring is idle.
+    pub fn get_vring_base(&mut self, index: u32) -> Result<u16, ClientError> {
+        self.send(GET_VRING_BASE, 0, &state(index, 0), &[])?;
+        let b = self.reply(GET_VRING_BASE, 8)?;
+        let got = u32::from_le_bytes(b[0..4].try_into().expect("8 bytes"));
+        if got != index {
+            return Err(ClientError::BadReply {
+                req: GET_VRING_BASE,
+                what: format!("ring {got}, asked for {index}"),
+            });
+        }
+        let num = u32::from_le_bytes(b[4..8].try_into().expect("8 bytes"));
+        u16::try_from(num).map_err(|_| ClientError::BadReply {
+            req: GET_VRING_BASE,
+            what: format!("base {num}"),
+        })
+    }
+
+    fn get_u64(&mut self, req: u32) -> Result<u64, ClientError> {
+        self.send(req, 0, &[], &[])?;
+        let b = self.reply(req, 8)?;
+        Ok(u64::from_le_bytes(b[..8].try_into().expect("8 bytes")))
+    }
+
+    /// A request without a reply of its own: acknowledged once REPLY_ACK is agreed.
+    fn set(&mut self, req: u32, payload: &[u8], fds: &[BorrowedFd<'_>]) -> Result<(), ClientError> {
+        let ack = self.reply_ack;
+        self.send(req, if ack { NEED_REPLY } else { 0 }, payload, fds)?;
+        if ack {
+            let b = self.reply(req, 8)?;
+            let status = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+            if status != 0 {
+                return Err(ClientError::Refused { req, status });
+            }
+        }
+        Ok(())
+    }
+
+    fn send(
+        &mut self,
+        req: u32,
+        flags: u32,
+        payload: &[u8],
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(), ClientError> {
+        let mut m = Vec::with_capacity(12 + payload.len());
+        m.extend_from_slice(&req.to_le_bytes());
+        m.extend_from_slice(&(VERSION | flags).to_le_bytes());
+        m.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        m.extend_from_slice(payload);
+        let io = |source| ClientError::Io { req, source };
+        let mut sent = accel_api::fdpass::send(self.sock.as_raw_fd(), &m, fds).map_err(io)?;
+        while sent < m.len() {
+            sent += accel_api::fdpass::send(self.sock.as_raw_fd(), &m[sent..], &[]).map_err(io)?;
+        }
+        Ok(())
+    }
+
+    /// Reads the reply to `req`, whose payload must be exactly `len` bytes.
+    fn reply(&mut self, req: u32, len: usize) -> Result<Vec<u8>, ClientError> {
+        let io = |source| ClientError::Io { req, source };
+        let mut h = [0u8; 12];
+        self.sock.read_exact(&mut h).map_err(io)?;
+        let got = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
+        let flags = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
+        let size = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes")) as usize;
+        let bad = |what: String| ClientError::BadReply { req, what };
+        if got != req {
+            return Err(bad(format!("a reply to request {got}")));
+        }
+        if flags & 0x3 != VERSION || flags & REPLY == 0 {
+            return Err(bad(format!("flags {flags:#x}")));
+        }
+        if size != len {
+            return Err(bad(format!("{size} bytes, {len} expected")));
+        }
+        let mut b = vec![0u8; len];
+        self.sock.read_exact(&mut b).map_err(io)?;
+        Ok(b)
+    }
+}
+
+impl AsFd for Client {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.sock.as_fd()
+    }
+}
+
+fn state(index: u32, num: u32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[0..4].copy_from_slice(&index.to_le_bytes());
+    b[4..8].copy_from_slice(&num.to_le_bytes());
+    b
+}

@@ -1,0 +1,458 @@
+//! Lending a drive's rings to QEMU's own `vhost-user-blk` export.
+//!
+//! On the qemu engine every request crosses NBD to the VM's QEMU, whose NBD server alone
+//! costs more CPU per request than QEMU's whole vhost-user-blk export
+//! (`docs/benchmarks.md`). A lent drive costs exactly what that export costs: acceld, the
+//! guest's vhost-user back-end, becomes a front-end of the export and hands it the guest's
+//! memory, its split rings at acceld's position and the guest's kick and call eventfds. The
+//! export then serves the guest directly; acceld does nothing per request. The drive stays on
+//! the qemu engine meanwhile (its NBD connections idle): taking the rings back resumes the
+//! queues there, without a request lost or replayed.
+//!
+//! Lending: pause the drive (acceld's requests drain), each queue's worker parks (it stops
+//! watching the kick eventfd and touches the ring no more) and describes its ring; a fresh
+//! session with the export gets the features the guest negotiated, the memory table, each
+//! ring (SET_VRING_CALL before SET_VRING_KICK) and one kick for what waits in the ring.
+//!
+//! Taking back: SET_VRING_KICK without a descriptor (once acknowledged the export pops no
+//! more: it pops only in its kick handler, on the thread that answers), then wait until
+//! every request it popped is in the used ring: with EVENT_IDX the export writes its next
+//! avail index to `avail_event` at every pop, so the ring is idle when `used->idx` reaches
+//! it. Only then GET_VRING_BASE (QEMU's export answers it at once, with requests in flight)
+//! and close; the workers resume at that base and interrupt the guest once. Lending needs
+//! EVENT_IDX for that reason.
+//!
+//! Whoever changes who owns the rings holds the drive's ring gate: the vhost-user handler for
+//! every message of QEMU's front-end (each takes the rings back first: memory tables, ring
+//! stops, dirty logging and the rest all find acceld serving), a lend, and a take-back.
+//!
+//! What the guest can tell while lent (QEMU's export, not acceld, answers): GET_ID returns
+//! `vhost_user_blk` instead of the drive's serial; a failed request is reported to the guest
+//! at once (no `werror` hold); acceld's per-drive counters do not see the requests (QEMU's
+//! `query-blockstats` of the node does). Lending is therefore asked for per drive.
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use tracing::{info, warn};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{Drive, QueueCtl, SwitchError};
+use crate::guest_mem::Mem;
+use crate::util::lock;
+
+pub mod client;
+
+use client::{Client, ClientError, Region, RingAddr};
+
+/// How long a worker may take to park or to resume from a lend.
+const PARK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the export may take to finish what it popped once its kicks are detached.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+const F_EVENT_IDX: u64 = 1 << 29;
+const F_LOG_ALL: u64 = 1 << 26;
+
+/// What a parked worker hands over: its ring, where it stopped, and the guest's eventfds.
+pub struct RingLoan {
+    pub index: usize,
+    pub size: u16,
+    pub desc: u64,
+    pub avail: u64,
+    pub used: u64,
+    pub next_avail: u16,
+    pub event_idx: bool,
+    pub kick: EventFd,
+    pub call: Option<EventFd>,
+    pub mem: Arc<Mem>,
+}
+
+#[derive(Debug, Error)]
+pub enum LendError {
+    #[error("drive {drive} cannot be lent: {why}")]
+    NotLendable { drive: String, why: String },
+    #[error("cannot pause the drive")]
+    Pause(#[source] SwitchError),
+    #[error("queue {0} did not park within {PARK_TIMEOUT:?}")]
+    Park(usize),
+    #[error("the export refused the rings")]
+    Export(#[source] ClientError),
+}
+
+/// A lend in place.
+pub(crate) struct Lent {
+    client: Client,
+    rings: Vec<LentRing>,
+    since: Instant,
+}
+
+struct LentRing {
+    ctl: Arc<QueueCtl>,
+    index: u32,
+    size: u16,
+    used: u64,
+    mem: Arc<Mem>,
+}
+
+/// The outcome of a lend or a take-back.
+#[derive(Clone, Debug)]
+pub struct LendReport {
+    pub queues: usize,
+    /// How long the guest's requests waited (drain, hand-over, resume).
+    pub pause: Duration,
+}
+
+impl Drive {
+    /// Whether QEMU's export serves the drive's rings now.
+    pub fn rings_lent(&self) -> bool {
+        lock(&self.lent).is_some()
+    }
+
+    /// Records the features the guest's driver negotiated (vhost-user SET_FEATURES).
+    pub fn set_acked_features(&self, features: u64) {
+        self.acked_features.store(features, Ordering::Relaxed);
+    }
+
+    /// Hands every running queue's ring to QEMU's vhost-user-blk export listening on
+    /// `socket` (see the module doc). On any failure the queues resume on the current
+    /// engine, where they were.
+    pub fn lend_rings(self: &Arc<Self>, socket: &Path) -> Result<LendReport, LendError> {
+        let _gate = lock(&self.ring_gate);
+        let not = |why: &str| LendError::NotLendable {
+            drive: self.cfg.name.clone(),
+            why: why.to_string(),
+        };
+        if lock(&self.lent).is_some() {
+            return Err(not("its rings are lent already"));
+        }
+        let features = self.acked_features.load(Ordering::Relaxed);
+        if features & F_EVENT_IDX == 0 {
+            return Err(not("the driver did not negotiate EVENT_IDX"));
+        }
+        if features & F_LOG_ALL != 0 {
+            return Err(not("the device logs dirty memory (a migration)"));
+        }
+        if self.stats.held_requests.load(Ordering::Relaxed) > 0 {
+            return Err(not("it holds failed requests"));
+        }
+        if self.engine().holds() {
+            return Err(not("it is held"));
+        }
+        if !self.has_running_queues() {
+            return Err(not("no queue runs"));
+        }
+        let t0 = Instant::now();
+        let paused = self.pause_now().map_err(LendError::Pause)?;
+        let workers: Vec<Arc<QueueCtl>> = lock(&self.running).clone();
+        for w in &workers {
+            w.request_lend();
+        }
+        let deadline = Instant::now() + PARK_TIMEOUT;
+        let mut loans = Vec::with_capacity(workers.len());
+        let mut failed = None;
+        for w in &workers {
+            match w.wait_loan(deadline) {
+                Some(l) => loans.push((w.clone(), l)),
+                None => failed = Some(LendError::Park(w.index())),
+            }
+        }
+        let result = match failed {
+            Some(e) => Err(e),
+            None => self.start_export(socket, features, &loans),
+        };
+        match result {
+            Ok(client) => {
+                let rings = loans
+                    .iter()
+                    .map(|(ctl, l)| LentRing {
+                        ctl: ctl.clone(),
+                        index: l.index as u32,
+                        size: l.size,
+                        used: l.used,
+                        mem: l.mem.clone(),
+                    })
+                    .collect();
+                paused.keep();
+                *lock(&self.lent) = Some(Lent {
+                    client,
+                    rings,
+                    since: Instant::now(),
+                });
+                self.stats.lends.fetch_add(1, Ordering::Relaxed);
+                let pause = t0.elapsed();
+                info!(drive = %self.cfg.name, queues = loans.len(), pause_us = pause.as_micros() as u64, "rings lent to QEMU's vhost-user-blk export");
+                Ok(LendReport {
+                    queues: loans.len(),
+                    pause,
+                })
+            }
+            Err(e) => {
+                // Nothing reached the export's rings (or it had them only unkicked, before
+                // the first completion): each worker takes its ring back where it was.
+                for (w, l) in &loans {
+                    w.request_reclaim(l.next_avail);
+                }
+                for w in &workers {
+                    w.wait_reclaimed(Instant::now() + PARK_TIMEOUT);
+                }
+                drop(paused);
+                Err(e)
+            }
+        }
+    }
+
+    fn start_export(
+        &self,
+        socket: &Path,
+        features: u64,
+        loans: &[(Arc<QueueCtl>, RingLoan)],
+    ) -> Result<Client, LendError> {
+        let not = |why: String| LendError::NotLendable {
+            drive: self.cfg.name.clone(),
+            why,
+        };
+        let Some((_, first)) = loans.first() else {
+            return Err(not("no queue runs".into()));
+        };
+        if let Some((_, l)) = loans.iter().find(|(_, l)| !l.event_idx) {
+            return Err(not(format!("queue {} runs without EVENT_IDX", l.index)));
+        }
+        let mem = first.mem.clone();
+        let mut regions = Vec::new();
+        for r in mem.iter() {
+            let Some(fo) = r.file_offset() else {
+                return Err(not("guest memory that is not a shared file".into()));
+            };
+            regions.push(Region {
+                gpa: r.start_addr().raw_value(),
+                size: r.len(),
+                fd: std::os::fd::AsFd::as_fd(fo.file()),
+                offset: fo.start(),
+            });
+        }
+        let queues = loans
+            .iter()
+            .map(|(_, l)| l.index as u32 + 1)
+            .max()
+            .unwrap_or(1);
+        let mut c = Client::connect(socket, features, queues).map_err(LendError::Export)?;
+        c.set_mem_table(&regions).map_err(LendError::Export)?;
+        for (_, l) in loans {
+            let r = RingAddr {
+                index: l.index as u32,
+                size: l.size,
+                desc: l.desc,
+                avail: l.avail,
+                used: l.used,
+                base: l.next_avail,
+            };
+            let call = l.call.as_ref().map(borrow);
+            c.start_ring(&r, call, borrow(&l.kick))
+                .map_err(LendError::Export)?;
+        }
+        // Whatever the guest made available meanwhile (acceld's paused workers read its
+        // kicks) is seen now.
+        for (_, l) in loans {
+            let _ = l.kick.write(1);
+        }
+        Ok(c)
+    }
+
+    /// Takes lent rings back (see the module doc), then the queues resume on the drive's
+    /// engine. Nothing happens when no rings are lent. Returns the pause the take-back
+    /// caused (the export served until its kicks were detached).
+    pub fn reclaim_rings(&self) -> Option<LendReport> {
+        let _gate = lock(&self.ring_gate);
+        self.reclaim_locked()
+    }
+
+    /// Runs `f` (a vhost-user message of QEMU's front-end) with the rings acceld's own: lent
+    /// ones are taken back first, and no lend starts until `f` returns.
+    pub fn with_rings_owned<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _gate = lock(&self.ring_gate);
+        self.reclaim_locked();
+        f()
+    }
+
+    fn reclaim_locked(&self) -> Option<LendReport> {
+        let mut lent = lock(&self.lent).take()?;
+        let t0 = Instant::now();
+        let lent_for = lent.since.elapsed();
+        // 1. The export pops no more. A session that fails here is closed below; the ring
+        //    is then judged from guest memory alone.
+        let mut session_ok = true;
+        for r in &lent.rings {
+            if let Err(e) = lent.client.detach_kick(r.index) {
+                warn!(drive = %self.cfg.name, queue = r.index, "taking the kick back from the export failed: {}", crate::util::error_chain(&e));
+                session_ok = false;
+                break;
+            }
+        }
+        // 2. Every request it popped completes.
+        let deadline = Instant::now() + IDLE_TIMEOUT;
+        let mut bases = Vec::with_capacity(lent.rings.len());
+        for r in &lent.rings {
+            let avail_event = r.used + 4 + 8 * u64::from(r.size);
+            let (mut used, mut next) = ring_positions(&r.mem, r.used, avail_event);
+            while used != next && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(20));
+                (used, next) = ring_positions(&r.mem, r.used, avail_event);
+            }
+            if used != next {
+                // A request the export never completed (it drops malformed ones without a
+                // completion, as QEMU's export does): it stays unanswered, as it would have
+                // under QEMU alone.
+                if let Some(n) = self.stats.log.vhost.admit() {
+                    warn!(drive = %self.cfg.name, queue = r.index, used, next, "the export left requests unfinished; resuming after them{}", crate::util::suppressed(n));
+                }
+            }
+            bases.push(next);
+        }
+        // 3. Its own word on where it stopped, now that nothing is in flight.
+        if session_ok {
+            for (r, b) in lent.rings.iter().zip(bases.iter_mut()) {
+                match lent.client.get_vring_base(r.index) {
+                    Ok(base) if base == *b => {}
+                    Ok(base) => {
+                        warn!(drive = %self.cfg.name, queue = r.index, base, avail_event = *b, "the export's base differs from its avail_event; taking its base");
+                        *b = base;
+                    }
+                    Err(e) => {
+                        warn!(drive = %self.cfg.name, queue = r.index, "GET_VRING_BASE from the export failed: {}", crate::util::error_chain(&e));
+                        break;
+                    }
+                }
+            }
+        }
+        drop(lent.client);
+        for (r, b) in lent.rings.iter().zip(&bases) {
+            r.ctl.request_reclaim(*b);
+        }
+        for r in &lent.rings {
+            if !r.ctl.wait_reclaimed(Instant::now() + PARK_TIMEOUT) {
+                warn!(drive = %self.cfg.name, queue = r.index, "queue did not take its ring back within {PARK_TIMEOUT:?}");
+            }
+        }
+        let lent_queues: Vec<Arc<QueueCtl>> = lent.rings.iter().map(|r| r.ctl.clone()).collect();
+        self.resume_after_lend(&lent_queues);
+        self.queues_changed();
+        let pause = t0.elapsed();
+        info!(drive = %self.cfg.name, queues = lent.rings.len(), pause_us = pause.as_micros() as u64, lent_ms = lent_for.as_millis() as u64, "rings taken back from QEMU's export");
+        Some(LendReport {
+            queues: lent.rings.len(),
+            pause,
+        })
+    }
+}
+
+fn borrow(e: &EventFd) -> std::os::fd::BorrowedFd<'_> {
+    // SAFETY: the descriptor belongs to `e`, which outlives the returned borrow.
+    unsafe { std::os::fd::BorrowedFd::borrow_raw(std::os::fd::AsRawFd::as_raw_fd(e)) }
+}
+
+/// How long the drive's queues must stay unchanged before a lender lends them (a front-end
+/// starts its rings one message at a time).
+const SETTLE: Duration = Duration::from_millis(20);
+
+/// Keeps a drive's rings lent to an export while its queues run: lends once they settle,
+/// and again after anything took them back (a front-end's message, a queue restart). Dropping
+/// it stops the thread and takes the rings back.
+pub struct Lender {
+    drive: Arc<Drive>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drive {
+    /// Counts a change of the drive's queues (started, stopped, rings taken back) and wakes
+    /// a lender.
+    pub(crate) fn queues_changed(&self) {
+        let (m, cv) = &self.queue_events;
+        let mut g = lock(m);
+        g.0 = g.0.wrapping_add(1);
+        cv.notify_all();
+    }
+
+    /// Starts a [`Lender`] of this drive's rings to the export on `socket`.
+    pub fn spawn_lender(self: &Arc<Self>, socket: std::path::PathBuf) -> std::io::Result<Lender> {
+        lock(&self.queue_events.0).1 = false;
+        let d = self.clone();
+        let thread = std::thread::Builder::new()
+            .name("lender".into())
+            .spawn(move || d.lender_loop(&socket))?;
+        Ok(Lender {
+            drive: self.clone(),
+            thread: Some(thread),
+        })
+    }
+
+    fn lender_loop(self: &Arc<Self>, socket: &Path) {
+        let (m, cv) = &self.queue_events;
+        let mut seen = None;
+        loop {
+            let mut g = lock(m);
+            while !g.1 && seen == Some(g.0) {
+                g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+            }
+            // Settle: no change for SETTLE.
+            loop {
+                if g.1 {
+                    return;
+                }
+                let at = g.0;
+                g = cv
+                    .wait_timeout(g, SETTLE)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+                if g.0 == at {
+                    break;
+                }
+            }
+            seen = Some(g.0);
+            drop(g);
+            if self.rings_lent() || !self.has_running_queues() {
+                continue;
+            }
+            match self.lend_rings(socket) {
+                Ok(_) => {}
+                Err(e) => {
+                    if let Some(n) = self.stats.log.vhost.admit() {
+                        info!(drive = %self.cfg.name, "rings not lent: {}{}", crate::util::error_chain(&e), crate::util::suppressed(n));
+                    }
+                }
+            }
+            // What the lend itself changed is not a new reason to lend.
+            seen = Some(lock(m).0);
+        }
+    }
+}
+
+impl Drop for Lender {
+    fn drop(&mut self) {
+        {
+            let (m, cv) = &self.drive.queue_events;
+            lock(m).1 = true;
+            cv.notify_all();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.drive.reclaim_rings();
+    }
+}
+
+/// `used->idx` and `avail_event` of a ring in guest memory (a ring that cannot be read
+/// counts as idle: nothing can be learnt from it).
+fn ring_positions(mem: &Mem, used: u64, avail_event: u64) -> (u16, u16) {
+    let rd = |a: u64| {
+        mem.load::<u16>(GuestAddress(a), Ordering::Acquire)
+            .map(u16::from_le)
+    };
+    match (rd(used + 2), rd(avail_event)) {
+        (Ok(u), Ok(n)) => (u, n),
+        _ => (0, 0),
+    }
+}
