@@ -322,6 +322,7 @@ fn qsd_both(o: &CompareOpts, vu: &Path, nbd: &Path, queues: usize) -> Result<Qsd
 struct EngineCell {
     name: String,
     export: Vec<Sample>,
+    lent: Vec<Sample>,
     qemu: Vec<Sample>,
     direct: Vec<Sample>,
 }
@@ -346,6 +347,7 @@ fn compare_qemu_engine(o: &CompareOpts) -> Result<()> {
                 let mut c = EngineCell {
                     name: format!("{rw} QD{d} q{q}"),
                     export: vec![],
+                    lent: vec![],
                     qemu: vec![],
                     direct: vec![],
                 };
@@ -362,6 +364,12 @@ fn compare_qemu_engine(o: &CompareOpts) -> Result<()> {
                         ];
                         let a = acceld_on(o, &sock, q, &what)?;
                         c.qemu.push(client(o, &sock, &[a.0.id(), qpid], rw, d, q)?);
+                        drop(a);
+                        // The qemu engine with the rings lent to the same export.
+                        let mut lend = what.to_vec();
+                        lend.extend(["--lend-to".to_string(), vu.display().to_string()]);
+                        let a = acceld_on(o, &sock, q, &lend)?;
+                        c.lent.push(client(o, &sock, &[a.0.id(), qpid], rw, d, q)?);
                     }
                     let a = acceld(o, &sock, q)?;
                     c.direct.push(client(o, &sock, &[a.0.id()], rw, d, q)?);
@@ -372,27 +380,32 @@ fn compare_qemu_engine(o: &CompareOpts) -> Result<()> {
         }
     }
     print_setup(o, "serving side (qemu-storage-daemon, acceld, or both)");
-    println!("| cell | QEMU export IOPS | qemu engine IOPS | qemu engine / export | direct IOPS | p99 µs export / qemu engine / direct | IOPS per CPU-s export / qemu engine / direct | qemu engine / export per CPU |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| cell | QEMU export IOPS | qemu engine, rings lent IOPS | lent / export | qemu engine over NBD IOPS | NBD / export | direct IOPS | p99 µs export / lent / NBD / direct | IOPS per CPU-s export / lent / NBD / direct | lent / export per CPU |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for c in &cells {
-        let (e, q, d) = (med(&c.export), med(&c.qemu), med(&c.direct));
+        let (e, l, q, d) = (med(&c.export), med(&c.lent), med(&c.qemu), med(&c.direct));
         println!(
-            "| {} | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.2} | {:.0} (±{:.0}%) | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.2} |",
+            "| {} | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.2} | {:.0} (±{:.0}%) | {:.2} | {:.0} (±{:.0}%) | {:.0} / {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} / {:.0} | {:.2} |",
             c.name,
             e.iops,
             e.spread,
+            l.iops,
+            l.spread,
+            l.iops / e.iops.max(1.0),
             q.iops,
             q.spread,
             q.iops / e.iops.max(1.0),
             d.iops,
             d.spread,
             e.p99,
+            l.p99,
             q.p99,
             d.p99,
             e.per_cpu,
+            l.per_cpu,
             q.per_cpu,
             d.per_cpu,
-            q.per_cpu / e.per_cpu.max(1.0)
+            l.per_cpu / e.per_cpu.max(1.0)
         );
     }
     Ok(())
