@@ -74,7 +74,7 @@ enum Cmd {
         /// The VM's QMP socket (QEMU: -qmp unix:PATH,server=on,wait=off).
         #[arg(long)]
         qmp: PathBuf,
-        /// id=D,image=PATH[,format=raw][,read-only=on][,serial=S][,queues=N][,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096][,werror=enospc|report|stop|ignore][,rerror=report|stop|ignore]
+        /// id=D,image=PATH[,format=raw][,read-only=on][,serial=S][,queues=N][,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096][,werror=enospc|report|stop|ignore][,rerror=report|stop|ignore][,lend=on|off]
         #[arg(long = "drive", required = true)]
         drives: Vec<String>,
         /// `cont` the VM once every drive has an engine (when QEMU was started with -S; after
@@ -808,10 +808,11 @@ fn typed<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, Fail> {
 fn print_drive(v: Value) -> Result<(), Fail> {
     let d: DriveStatus = typed(v)?;
     println!(
-        "{}/{}: {}{}",
+        "{}/{}: {}{}{}",
         d.vm,
         d.drive,
         d.engine.as_str(),
+        if d.rings_lent { " (rings lent)" } else { "" },
         if d.reasons.is_empty() {
             String::new()
         } else {
@@ -864,7 +865,11 @@ fn status_table(st: &Status) -> String {
             rows.push(vec![
                 vm.vm.clone(),
                 d.drive.clone(),
-                d.engine.as_str().to_string(),
+                if d.rings_lent {
+                    format!("{}(lent)", d.engine.as_str())
+                } else {
+                    d.engine.as_str().to_string()
+                },
                 ago(d.since),
                 if d.reasons.is_empty() {
                     "-".into()
@@ -885,6 +890,12 @@ fn status_table(st: &Status) -> String {
                 notes.push(format!(
                     "{}/{}: {} requests held ({}); retried every 100 ms, or `accelctl resume {} {}`",
                     vm.vm, d.drive, d.held_requests, d.io_status, vm.vm, d.drive
+                ));
+            }
+            if d.rings_lent {
+                notes.push(format!(
+                    "{}/{}: rings lent to QEMU's vhost-user-blk export: QEMU serves the guest, its query-blockstats counts the requests",
+                    vm.vm, d.drive
                 ));
             }
             if let Some(e) = &d.last_error {

@@ -57,6 +57,11 @@ pub struct DriveSpec {
     /// I/O limits to apply from the start (a migration's destination takes the source's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throttle: Option<ThrottleLimits>,
+    /// While the drive is on the qemu engine, lend its rings to QEMU's own vhost-user-blk
+    /// export of the drive's node (QEMU's export speed; the guest then sees that export's
+    /// answers: GET_ID `vhost_user_blk`, errors reported at once). See docs/qemu-engine.md.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lend: bool,
 }
 
 /// What a failed request does, as QEMU's `werror`/`rerror` (`BlockdevOnError`).
@@ -193,7 +198,7 @@ pub fn check_id(kind: &str, id: &str) -> Result<(), SpecError> {
 
 impl DriveSpec {
     /// Parses `id=D,image=PATH[,node=N][,format=raw][,read-only=on][,serial=S][,queues=N]
-    /// [,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096]`.
+    /// [,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096][,lend=on|off]`.
     pub fn parse(s: &str) -> Result<Self, SpecError> {
         let mut id = None;
         let mut image = None;
@@ -212,6 +217,7 @@ impl DriveSpec {
             rerror: default_rerror(),
             writeback: None,
             throttle: None,
+            lend: false,
         };
         for kv in s.split(',') {
             let (k, v) = kv
@@ -242,6 +248,7 @@ impl DriveSpec {
                     }
                 }
                 "direct" => d.direct = on_off(k, v)?,
+                "lend" => d.lend = on_off(k, v)?,
                 "writeback" => d.writeback = Some(on_off(k, v)?),
                 "logical-block-size" => {
                     d.logical_block_size = match v {

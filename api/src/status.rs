@@ -127,6 +127,13 @@ pub struct DriveStatus {
     pub switches: u64,
     pub failed_switches: u64,
     pub last_pause_us: u64,
+    /// The drive's rings are lent to QEMU's own vhost-user-blk export (`lend=on`, qemu
+    /// engine): QEMU serves the guest directly, and the request counters here stand still.
+    #[serde(default)]
+    pub rings_lent: bool,
+    /// Times the rings were lent.
+    #[serde(default)]
+    pub lends: u64,
     /// The last migration switchover's ring stop on this side (drain, fdatasync, image
     /// release), in microseconds; 0 if none.
     #[serde(default)]

@@ -242,7 +242,7 @@ pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
     let lender = match &args.lend_to {
         Some(p) => Some(
             drive
-                .spawn_lender(p.clone())
+                .spawn_lender(p.clone(), None)
                 .map_err(ServeCmdError::Lender)?,
         ),
         None => None,

@@ -222,6 +222,16 @@ impl BlockExportAdd {
             "addr": {"type": "unix", "path": socket}, "num-queues": queues,
         }))
     }
+    /// The vhost-user-blk export's logical block size.
+    pub fn logical_block_size(mut self, bytes: u32) -> Self {
+        self.0["logical-block-size"] = bytes.into();
+        self
+    }
+    /// Serves the export from this iothread.
+    pub fn in_iothread(mut self, id: &str) -> Self {
+        self.0["iothread"] = id.into();
+        self
+    }
 }
 with_args!(BlockExportAdd, "block-export-add", Value);
 

@@ -122,7 +122,7 @@ fn twenty_lends_and_take_backs_under_a_verifying_qd32_load() {
         let _done = Done(done2);
         let mut pauses = Vec::new();
         for _ in 0..20 {
-            let r = drive.lend_rings(&export).expect("lend");
+            let r = drive.lend_rings(&export, None).expect("lend");
             assert_eq!(r.queues, 2);
             assert!(drive.rings_lent());
             std::thread::sleep(Duration::from_millis(30));
@@ -165,7 +165,7 @@ fn a_ring_stop_while_lent_takes_the_rings_back_at_the_exact_base() {
     let su = setup(1);
     let s = &su.s;
     let mut fe = frontend(s, 1);
-    s.drive.lend_rings(&su.export).expect("lend");
+    s.drive.lend_rings(&su.export, None).expect("lend");
     let before = served_by_acceld(s);
     // 50 writes and reads through the lent ring: QEMU's export serves them, acceld sees none.
     for i in 0..25u64 {
@@ -193,7 +193,7 @@ fn a_lender_lends_again_after_a_front_end_took_the_rings_back() {
     let su = setup(1);
     let s = &su.s;
     let mut fe = frontend(s, 1);
-    let lender = s.drive.spawn_lender(su.export.clone()).unwrap();
+    let lender = s.drive.spawn_lender(su.export.clone(), None).unwrap();
     let wait_lent = |n: u64| {
         let t0 = Instant::now();
         while s.drive.stats.lends.load(Ordering::Relaxed) < n || !s.drive.rings_lent() {

@@ -70,6 +70,9 @@ pub struct GraphRecord {
     pub group_external: bool,
     /// The group acceld's filter uses now (`None`: not known, acceld's own name).
     pub applied_group: Option<String>,
+    /// The socket of QEMU's vhost-user-blk export the rings are lent to (`lend=on`, qemu
+    /// engine), while it exists.
+    pub lend_socket: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Default)]
@@ -114,6 +117,9 @@ pub struct ManagedDrive {
     pub graph: Mutex<GraphRecord>,
     pub observed: Mutex<Observed>,
     pub stats: Mutex<SwitchStats>,
+    /// Lends the drive's rings to QEMU's vhost-user-blk export while it is on the qemu engine
+    /// (`lend=on`).
+    pub lender: Mutex<Option<crate::drive::Lender>>,
     /// Budget of the supervisor's lines about this drive (a VM or a QMP client can make the
     /// same failure repeat every reconcile).
     pub log: LogLimit,
@@ -140,6 +146,7 @@ impl ManagedDrive {
             graph: Mutex::new(graph),
             observed: Mutex::new(Observed::default()),
             stats: Mutex::new(SwitchStats::default()),
+            lender: Mutex::new(None),
             log: LogLimit::default(),
         }
     }

@@ -12,17 +12,26 @@ use qmp_client::commands::{
 };
 use qmp_client::Qmp;
 use serde_json::json;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use tokio::task::block_in_place;
 
 use super::drive_state::{ManagedDrive, Recorded};
+use super::vm::Vm;
 use super::{qmp_run, SupError, Supervisor};
 use crate::engine::nbd;
 use crate::util::lock;
 
 pub(super) fn export_id(drive: &str) -> String {
     format!("accel-{drive}")
+}
+/// QEMU's vhost-user-blk export of the drive's node that its rings are lent to (`lend=on`).
+pub(super) fn lend_export_id(drive: &str) -> String {
+    format!("accel-lend-{drive}")
+}
+/// Where that export listens: beside QEMU's NBD server socket, in the VM's run directory.
+pub(super) fn lend_socket(nbd_socket: &Path, drive: &str) -> std::path::PathBuf {
+    nbd_socket.with_file_name(format!("lend-{drive}.sock"))
 }
 pub(super) fn filter_node(drive: &str) -> String {
     format!("accel-throttle-{drive}")
@@ -181,7 +190,117 @@ impl Supervisor {
             .nbd_named(&export_id(id)),
         )
         .await?;
+        if d.spec.lend {
+            self.lend_up(d, qmp, nbd_socket, &top).await;
+        }
         Ok(export_id(id))
+    }
+
+    /// QEMU's vhost-user-blk export of `top` (the node under acceld's NBD export) in acceld's
+    /// iothread, for the drive's rings to be lent to (fixed there: a lent ring's take-back
+    /// waits for the export's requests while QEMU's main loop may be blocked on acceld).
+    /// Without it the drive is served over NBD only, and the failure is logged.
+    async fn lend_up(&self, d: &ManagedDrive, qmp: &Qmp, nbd_socket: &Path, top: &str) {
+        let id = d.id();
+        let sock = lend_socket(nbd_socket, id);
+        let r = match has_export(qmp, &lend_export_id(id)).await {
+            // acceld's own, from before a restart.
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                let _ = std::fs::remove_file(&sock);
+                let add = BlockExportAdd::vhost_user_blk(
+                    &lend_export_id(id),
+                    top,
+                    &sock.to_string_lossy(),
+                    !d.spec.read_only,
+                    d.drive.config().num_queues,
+                )
+                .logical_block_size(d.drive.config().logical_block_size)
+                .in_iothread(&self.cfg.iothread)
+                .fixed_iothread();
+                qmp_run(qmp, &add).await.map(drop)
+            }
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok(()) => lock(&d.graph).lend_socket = Some(sock),
+            Err(e) => {
+                if let Some(n) = d.log.admit() {
+                    warn!(drive = %id, "no vhost-user-blk export to lend the rings to; the qemu engine serves over NBD: {}{}", e.chain(), crate::util::suppressed(n));
+                }
+            }
+        }
+    }
+
+    /// A `lend=on` drive on the qemu engine lends its rings: QEMU's vhost-user-blk export of
+    /// the node under acceld's NBD export (made if missing, e.g. after an acceld restart) and
+    /// a lender on it. Nothing for other drives, or when a lender runs.
+    pub(super) async fn ensure_lending(&self, vm: &Vm, d: &ManagedDrive, qmp: &Qmp) {
+        if !d.spec.lend
+            || d.engine_kind() != accel_api::status::EngineKind::Qemu
+            || lock(&d.lender).is_some()
+        {
+            return;
+        }
+        if lock(&d.graph).lend_socket.is_none() {
+            let exports = match qmp_run(qmp, &QueryBlockExports).await {
+                Ok(x) => x,
+                Err(_) => return,
+            };
+            let Some(top) = exports
+                .iter()
+                .find(|e| e.id == export_id(d.id()))
+                .map(|e| e.node_name.clone())
+            else {
+                return;
+            };
+            self.lend_up(d, qmp, &vm.nbd_socket(), &top).await;
+        }
+        let Some(sock) = lock(&d.graph).lend_socket.clone() else {
+            return;
+        };
+        // The export's server must be the VM's QEMU (its user), as for its monitor.
+        let uid = vm.owner.map(|o| o.uid);
+        match d.drive.spawn_lender(sock, uid) {
+            Ok(l) => *lock(&d.lender) = Some(l),
+            Err(e) => {
+                if let Some(n) = d.log.admit() {
+                    warn!(drive = %d.id(), "cannot start the lender: {e}{}", crate::util::suppressed(n));
+                }
+            }
+        }
+    }
+
+    /// Takes lent rings back and removes QEMU's vhost-user-blk export of the drive.
+    pub(super) async fn lend_down(&self, d: &ManagedDrive, qmp: &Qmp) -> Result<(), SupError> {
+        let lender = lock(&d.lender).take();
+        if lender.is_some() {
+            block_in_place(|| drop(lender));
+        }
+        let export = lend_export_id(d.id());
+        if has_export(qmp, &export).await? {
+            qmp_run(
+                qmp,
+                &BlockExportDel {
+                    id: export.clone(),
+                    mode: Some("hard".into()),
+                },
+            )
+            .await?;
+            let t0 = Instant::now();
+            while has_export(qmp, &export).await? {
+                if t0.elapsed() > Duration::from_secs(10) {
+                    return Err(SupError::QemuState(format!(
+                        "remove export {export} within 10 s"
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        if let Some(sock) = lock(&d.graph).lend_socket.take() {
+            let _ = std::fs::remove_file(sock);
+        }
+        Ok(())
     }
 
     /// Starts QEMU's NBD server on acceld's socket of the VM, or finds it started.
@@ -209,6 +328,7 @@ impl Supervisor {
 
     /// Removes acceld's export, throttle filter and throttle group of the drive, if present.
     pub(super) async fn qemu_down(&self, d: &ManagedDrive, qmp: &Qmp) -> Result<(), SupError> {
+        self.lend_down(d, qmp).await?;
         let id = d.id();
         let export = export_id(id);
         if has_export(qmp, &export).await? {

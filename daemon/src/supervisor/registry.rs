@@ -271,6 +271,7 @@ impl Supervisor {
                 data_node: None,
                 group_external: false,
                 applied_group: None,
+                lend_socket: None,
             },
         )))
     }

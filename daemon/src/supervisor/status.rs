@@ -109,6 +109,8 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         switches: s.switches.load(Ordering::Relaxed),
         failed_switches: st.failed_switches,
         last_pause_us: s.last_pause_us.load(Ordering::Relaxed),
+        rings_lent: d.drive.rings_lent(),
+        lends: s.lends.load(Ordering::Relaxed),
         switchover_stop_us: s.switchover_stop_us.load(Ordering::Relaxed),
         pauses_to_direct: PauseStats::of(&st.to_direct_us),
         pauses_to_qemu: PauseStats::of(&st.to_qemu_us),

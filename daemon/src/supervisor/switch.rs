@@ -57,7 +57,10 @@ impl Supervisor {
         action: Action,
     ) -> Result<(), SupError> {
         match action {
-            Action::Stay | Action::WaitQuiet => Ok(()),
+            Action::Stay | Action::WaitQuiet => {
+                self.ensure_lending(vm, d, qmp).await;
+                Ok(())
+            }
             Action::Retune(limits) => {
                 set_limits(qmp, d, &limits).await?;
                 lock(&d.graph).applied_throttle = Some(limits);
@@ -94,6 +97,11 @@ impl Supervisor {
     ) -> Result<(), SupError> {
         let from = d.engine_kind();
         let drive = d.drive.clone();
+        // Lent rings come back, and stay, until the drive is on the qemu engine again.
+        let lender = lock(&d.lender).take();
+        if lender.is_some() {
+            block_in_place(|| drop(lender));
+        }
         if let Target::Direct(spec) = &to {
             super::permit::check_owned_image(vm.owner, &d.spec.image, &spec.image)?;
         }
@@ -242,6 +250,9 @@ impl Supervisor {
                 }
                 info!(vm = %vm.name, drive = %d.spec.id, from = from.as_str(), to = to.kind().as_str(), pause_us = us, "switched");
                 self.save();
+                if matches!(to, Target::Qemu) {
+                    self.ensure_lending(vm, d, qmp).await;
+                }
                 Ok(())
             }
             Err((paused, e)) => {
@@ -549,7 +560,13 @@ impl Supervisor {
             Ok(engine) => block_in_place(|| paused.resume(engine)).map_err(|(p, e)| (p, e.into())),
             Err(e) => Err((paused, e)),
         };
-        let (paused, e): (_, SupError) = res.err()?;
+        let (paused, e): (_, SupError) = match res {
+            Ok(_) => {
+                self.ensure_lending(vm, d, qmp).await;
+                return None;
+            }
+            Err(x) => x,
+        };
         if let Some(n) = d.log.admit() {
             warn!(vm = %vm.name, drive = %d.spec.id, "cannot serve the drive on the qemu engine after {after}, holding its requests: {}{}", e.chain(), crate::util::suppressed(n));
         }

@@ -54,6 +54,12 @@ pub enum ClientError {
         #[source]
         source: io::Error,
     },
+    #[error("the server on {path} runs as uid {got:?}, not as the VM's QEMU (uid {want})")]
+    Peer {
+        path: std::path::PathBuf,
+        want: u32,
+        got: Option<u32>,
+    },
     #[error("vhost-user request {req} to the export")]
     Io {
         req: u32,
@@ -101,11 +107,27 @@ impl Client {
     /// Connects and negotiates: the guest's `features` (which must all be offered by the
     /// export, PROTOCOL_FEATURES aside), REPLY_ACK and MQ, SET_OWNER. `queues` rings are
     /// needed.
-    pub fn connect(path: &Path, features: u64, queues: u32) -> Result<Client, ClientError> {
+    /// `peer_uid`: the server must run as this user (the VM's QEMU).
+    pub fn connect(
+        path: &Path,
+        peer_uid: Option<u32>,
+        features: u64,
+        queues: u32,
+    ) -> Result<Client, ClientError> {
         let sock = UnixStream::connect(path).map_err(|source| ClientError::Connect {
             path: path.to_path_buf(),
             source,
         })?;
+        if let Some(want) = peer_uid {
+            let got = peer_uid_of(&sock);
+            if got != Some(want) {
+                return Err(ClientError::Peer {
+                    path: path.to_path_buf(),
+                    want,
+                    got,
+                });
+            }
+        }
         let io = |source| ClientError::Io { req: 0, source };
         sock.set_read_timeout(Some(IO_TIMEOUT)).map_err(io)?;
         sock.set_write_timeout(Some(IO_TIMEOUT)).map_err(io)?;
@@ -299,6 +321,27 @@ impl AsFd for Client {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.sock.as_fd()
     }
+}
+
+/// The user of the process at the other end of `sock` (SO_PEERCRED).
+fn peer_uid_of(sock: &UnixStream) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of a ucred and its size for the call.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &raw mut len,
+        )
+    };
+    (r == 0).then_some(cred.uid)
 }
 
 fn state(index: u32, num: u32) -> [u8; 8] {

@@ -53,6 +53,9 @@ use client::{Client, ClientError, Region, RingAddr};
 const PARK_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the export may take to finish what it popped once its kicks are detached.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// The same when the session broke (QEMU gone, or the export deleted): whatever it still
+/// finishes, it finishes soon or never.
+const BROKEN_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
 
 const F_EVENT_IDX: u64 = 1 << 29;
 const F_LOG_ALL: u64 = 1 << 26;
@@ -120,7 +123,12 @@ impl Drive {
     /// Hands every running queue's ring to QEMU's vhost-user-blk export listening on
     /// `socket` (see the module doc). On any failure the queues resume on the current
     /// engine, where they were.
-    pub fn lend_rings(self: &Arc<Self>, socket: &Path) -> Result<LendReport, LendError> {
+    /// `peer_uid`: the export's server must run as this user (SO_PEERCRED).
+    pub fn lend_rings(
+        self: &Arc<Self>,
+        socket: &Path,
+        peer_uid: Option<u32>,
+    ) -> Result<LendReport, LendError> {
         let _gate = lock(&self.ring_gate);
         let not = |why: &str| LendError::NotLendable {
             drive: self.cfg.name.clone(),
@@ -162,7 +170,7 @@ impl Drive {
         }
         let result = match failed {
             Some(e) => Err(e),
-            None => self.start_export(socket, features, &loans),
+            None => self.start_export(socket, peer_uid, features, &loans),
         };
         match result {
             Ok(client) => {
@@ -208,6 +216,7 @@ impl Drive {
     fn start_export(
         &self,
         socket: &Path,
+        peer_uid: Option<u32>,
         features: u64,
         loans: &[(Arc<QueueCtl>, RingLoan)],
     ) -> Result<Client, LendError> {
@@ -239,7 +248,8 @@ impl Drive {
             .map(|(_, l)| l.index as u32 + 1)
             .max()
             .unwrap_or(1);
-        let mut c = Client::connect(socket, features, queues).map_err(LendError::Export)?;
+        let mut c =
+            Client::connect(socket, peer_uid, features, queues).map_err(LendError::Export)?;
         c.set_mem_table(&regions).map_err(LendError::Export)?;
         for (_, l) in loans {
             let r = RingAddr {
@@ -293,7 +303,12 @@ impl Drive {
             }
         }
         // 2. Every request it popped completes.
-        let deadline = Instant::now() + IDLE_TIMEOUT;
+        let deadline = Instant::now()
+            + if session_ok {
+                IDLE_TIMEOUT
+            } else {
+                BROKEN_IDLE_TIMEOUT
+            };
         let mut bases = Vec::with_capacity(lent.rings.len());
         for r in &lent.rings {
             let avail_event = r.used + 4 + 8 * u64::from(r.size);
@@ -377,19 +392,23 @@ impl Drive {
     }
 
     /// Starts a [`Lender`] of this drive's rings to the export on `socket`.
-    pub fn spawn_lender(self: &Arc<Self>, socket: std::path::PathBuf) -> std::io::Result<Lender> {
+    pub fn spawn_lender(
+        self: &Arc<Self>,
+        socket: std::path::PathBuf,
+        peer_uid: Option<u32>,
+    ) -> std::io::Result<Lender> {
         lock(&self.queue_events.0).1 = false;
         let d = self.clone();
         let thread = std::thread::Builder::new()
             .name("lender".into())
-            .spawn(move || d.lender_loop(&socket))?;
+            .spawn(move || d.lender_loop(&socket, peer_uid))?;
         Ok(Lender {
             drive: self.clone(),
             thread: Some(thread),
         })
     }
 
-    fn lender_loop(self: &Arc<Self>, socket: &Path) {
+    fn lender_loop(self: &Arc<Self>, socket: &Path, peer_uid: Option<u32>) {
         let (m, cv) = &self.queue_events;
         let mut seen = None;
         loop {
@@ -416,7 +435,7 @@ impl Drive {
             if self.rings_lent() || !self.has_running_queues() {
                 continue;
             }
-            match self.lend_rings(socket) {
+            match self.lend_rings(socket, peer_uid) {
                 Ok(_) => {}
                 Err(e) => {
                     if let Some(n) = self.stats.log.vhost.admit() {

@@ -1,0 +1,154 @@
+//! `lend=on` with real QEMU 10 (TCG): a drive on the qemu engine lends its rings to the VM's
+//! own vhost-user-blk export of its node, under a guest doing verified random writes, through
+//! a throttle, a VM stop and cont (QEMU's front-end stops and restarts the rings: acceld takes
+//! them back first and lends them again) and the way back to direct.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use accel_integration::supervised::{boot_registered, writer_script, AcceldRun, SideQmp};
+use accel_integration::{guest_value, host_md5, Guest};
+use anyhow::{bail, Result};
+use serde_json::{json, Value};
+
+const CONFIG: &str = "quiet-period-ms = 300\npoll-interval-ms = 200\n";
+
+/// Polls the drive's status until `cond` holds.
+fn wait_drive(acc: &AcceldRun, what: &str, cond: impl Fn(&Value) -> bool) -> Result<Value> {
+    let t0 = Instant::now();
+    loop {
+        let d = acc.drive("vm1", "d0")?;
+        if cond(&d) {
+            return Ok(d);
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            bail!("{what}: not within 20 s: {d}\n{}", acc.log_text());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Requests acceld served itself.
+fn served(d: &Value) -> u64 {
+    d["reads"].as_u64().unwrap_or(0) + d["writes"].as_u64().unwrap_or(0)
+}
+
+/// The guest's next `progress=` figure (writes its kernel completed on the disk).
+fn progress(g: &mut Guest) -> Result<u64> {
+    let line = g.wait_for("progress=", Duration::from_secs(60))?;
+    let v = line
+        .rsplit("progress=")
+        .next()
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok());
+    v.ok_or_else(|| anyhow::anyhow!("no figure in {line:?}"))
+}
+
+fn lend_exports(t: &SideQmp) -> Result<Vec<Value>> {
+    let ex = t.cmd("query-block-exports", json!({}))?;
+    Ok(ex
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| {
+            e["id"]
+                .as_str()
+                .is_some_and(|i| i.starts_with("accel-lend-"))
+        })
+        .collect())
+}
+
+#[test]
+fn lent_rings_under_guest_writes_through_throttle_stop_cont_and_back_to_direct() -> Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("accel-lend")
+        .tempdir_in("/var/tmp")?;
+    let run = dir.path().join("run");
+    let img = dir.path().join("d0.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    let qmp = dir.path().join("qmp.sock");
+    let tq = dir.path().join("test-qmp.sock");
+    let acc = AcceldRun::start(&run, CONFIG)?;
+    acc.register(
+        "vm1",
+        &qmp,
+        &format!("id=d0,image={},queues=2,lend=on", img.display()),
+        &["--cont"],
+    )?;
+    let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 16, 64))?;
+    g.wait_for("READY", Duration::from_secs(120))
+        .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
+    let t = SideQmp::connect(&tq)?;
+    let d = acc.drive("vm1", "d0")?;
+    assert_eq!(
+        (d["engine"].as_str(), d["rings_lent"].as_bool()),
+        (Some("direct"), Some(false)),
+        "{d}"
+    );
+    assert!(lend_exports(&t)?.is_empty(), "no export while direct");
+
+    // A throttle puts the drive on the qemu engine; its rings go to QEMU's export of the
+    // throttle filter, in acceld's iothread.
+    acc.ctl_ok(&["throttle", "vm1", "d0", "--iops-total", "100000"])?;
+    acc.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
+    wait_drive(&acc, "rings lent", |d| d["rings_lent"] == true)?;
+    let ex = lend_exports(&t)?;
+    assert_eq!(ex.len(), 1, "{ex:?}");
+    assert_eq!(ex[0]["type"], "vhost-user-blk");
+    let filter = ex[0]["node-name"].as_str().unwrap_or_default().to_string();
+    assert!(filter.starts_with("accel-throttle-"), "{ex:?}");
+    let st = acc.ctl_ok(&["status"])?;
+    assert!(st.contains("qemu(lent)"), "{st}");
+
+    // The guest writes on, served by QEMU alone: acceld's counters stand still.
+    let before = served(&acc.drive("vm1", "d0")?);
+    let p0 = progress(&mut g)?;
+    let p1 = progress(&mut g)?;
+    let d = acc.drive("vm1", "d0")?;
+    assert!(d["rings_lent"] == true, "{d}");
+    assert_eq!(served(&d), before, "acceld served requests while lent: {d}");
+    assert!(p1 > p0, "the guest wrote nothing while lent ({p0} -> {p1})");
+    println!("lent: the guest completed {} writes, acceld none", p1 - p0);
+
+    // The VM stops: QEMU's device stops the rings (GET_VRING_BASE, with QEMU's main loop
+    // waiting for acceld), so acceld takes them back from the export first. At cont the
+    // rings restart and are lent again.
+    let lends = d["lends"].as_u64().unwrap_or(0);
+    t.cmd("stop", json!({}))?;
+    wait_drive(&acc, "rings back at stop", |d| d["rings_lent"] == false)?;
+    t.cmd("cont", json!({}))?;
+    wait_drive(&acc, "lent again after cont", |d| {
+        d["rings_lent"] == true && d["lends"].as_u64().unwrap_or(0) > lends
+    })?;
+    let p2 = progress(&mut g)?;
+    let p3 = progress(&mut g)?;
+    assert!(p3 > p2, "the guest wrote nothing after cont ({p2} -> {p3})");
+
+    // Back to direct: the rings come back, the export goes, acceld serves again.
+    acc.ctl_ok(&["throttle", "vm1", "d0", "--clear"])?;
+    acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(20))?;
+    let d = acc.drive("vm1", "d0")?;
+    assert_eq!(d["rings_lent"], false, "{d}");
+    assert!(lend_exports(&t)?.is_empty(), "the export is gone");
+    let before = served(&d);
+    progress(&mut g)?;
+    progress(&mut g)?;
+    assert!(
+        served(&acc.drive("vm1", "d0")?) > before,
+        "acceld serves again"
+    );
+
+    g.send_line("STOP")?;
+    let out = g.wait_exit(Duration::from_secs(180))?;
+    if !out.iter().any(|l| l.contains("RESULT: PASS")) {
+        bail!(
+            "guest failed:\n{}\nacceld log:\n{}",
+            out.join("\n"),
+            acc.log_text()
+        );
+    }
+    let md5 = guest_value(&out, "md5")?;
+    assert_eq!(host_md5(Path::new(&img), 16 * 64 * 4096)?, md5);
+    Ok(())
+}
