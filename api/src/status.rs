@@ -142,6 +142,12 @@ pub struct DriveStatus {
     /// drive taken from `held` (at start-up, or after a hold) counts in neither.
     pub pauses_to_direct: PauseStats,
     pub pauses_to_qemu: PauseStats,
+    /// Pauses of lending the rings to QEMU's export (drain, hand-over) and of taking them
+    /// back (the export's requests finishing), over the last 1000 of each (`lend=on`).
+    #[serde(default)]
+    pub pauses_lend: PauseStats,
+    #[serde(default)]
+    pub pauses_take_back: PauseStats,
     pub iops: f64,
     pub mbps: f64,
     pub p99_us: Option<u64>,
@@ -317,8 +323,12 @@ mod tests {
             switches: 2,
             failed_switches: 0,
             last_pause_us: 10,
+            rings_lent: true,
+            lends: 3,
             pauses_to_direct: PauseStats::of(&[3]),
             pauses_to_qemu: PauseStats::default(),
+            pauses_lend: PauseStats::of(&[400, 900]),
+            pauses_take_back: PauseStats::default(),
             iops: 1.5,
             mbps: 0.25,
             p99_us: None,

@@ -23,6 +23,11 @@ pub struct SwitchBenchOpts {
     /// Where to put the image, sockets and logs (default: a new temp dir).
     #[arg(long)]
     pub dir: Option<std::path::PathBuf>,
+    /// Register the drive with `lend=on`: on the qemu engine its rings are lent to QEMU's
+    /// vhost-user-blk export; each round waits for the lend, and the lend and take-back
+    /// pauses are reported too.
+    #[arg(long)]
+    pub lend: bool,
 }
 
 pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
@@ -42,7 +47,11 @@ pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
     acc.register(
         "vm1",
         &qmp,
-        &format!("id=d0,image={},queues=2", img.display()),
+        &format!(
+            "id=d0,image={},queues=2{}",
+            img.display(),
+            if o.lend { ",lend=on" } else { "" }
+        ),
         &["--cont"],
     )?;
     let mut vm = Instance::boot_registered(
@@ -59,6 +68,15 @@ pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
     for _ in 0..o.rounds {
         acc.ctl_ok(&["handback", "vm1", "d0"])?;
         acc.wait_engine("vm1", "d0", "qemu", Duration::from_secs(30))?;
+        if o.lend {
+            let t = Instant::now();
+            while acc.drive("vm1", "d0")?["rings_lent"] != true {
+                if t.elapsed() > Duration::from_secs(30) {
+                    bail!("the rings were not lent within 30 s:\n{}", acc.log_text());
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
         acc.ctl_ok(&["accelerate", "vm1", "d0"])?;
         acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(30))?;
     }
@@ -79,15 +97,23 @@ pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
         );
     };
     println!(
-        "switch-bench: {} round trips in {:.1} s under {} verifying writers (TCG guest, 2 queues, raw image)",
+        "switch-bench: {} round trips in {:.1} s under {} verifying writers (TCG guest, 2 queues, raw image{})",
         o.rounds,
         took.as_secs_f64(),
-        o.writers
+        o.writers,
+        if o.lend { ", lend=on" } else { "" }
     );
     println!("| direction | switches | pause p50 ms | p99 ms | max ms |");
     println!("|---|---|---|---|---|");
     row("direct -> qemu", "pauses_to_qemu");
     row("qemu -> direct", "pauses_to_direct");
+    if o.lend {
+        row("lend (qemu engine -> QEMU's export)", "pauses_lend");
+        row(
+            "take back (QEMU's export -> qemu engine)",
+            "pauses_take_back",
+        );
+    }
     println!(
         "guest: {}, errors={errors}",
         if pass { "RESULT: PASS" } else { "RESULT: FAIL" }

@@ -10,6 +10,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::drive::lend::RingLoan;
 use crate::engine::{Engine, QueueIo};
+use crate::guest_mem::MemHandle;
 use crate::util::lock;
 
 /// When the process stops waiting for drains (the shutdown bound); None while running.
@@ -40,6 +41,8 @@ pub struct QueueCtl {
     pub(crate) st: Mutex<CtlState>,
     /// Signalled by the worker when it drained or exited.
     pub(crate) cv: Condvar,
+    /// The guest memory map the worker uses (for a lend's memory table).
+    pub(crate) mem: MemHandle,
 }
 
 /// A queue's context on an engine, and the engine.
@@ -75,10 +78,11 @@ pub(crate) struct CtlState {
 }
 
 impl QueueCtl {
-    pub(crate) fn new(index: usize, depth: u32) -> std::io::Result<Self> {
+    pub(crate) fn new(index: usize, depth: u32, mem: MemHandle) -> std::io::Result<Self> {
         Ok(QueueCtl {
             index,
             depth,
+            mem,
             wake: EventFd::new(EFD_NONBLOCK)?,
             pending: AtomicBool::new(false),
             st: Mutex::new(CtlState::default()),

@@ -1,5 +1,6 @@
 //! A drive's counters and latency histogram.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -32,6 +33,9 @@ pub struct DriveStats {
     pub last_pause_us: AtomicU64,
     /// Times the drive's rings were lent to QEMU's export (see `drive::lend`).
     pub lends: AtomicU64,
+    /// The pauses of the last [`PAUSE_SAMPLES`] lends and take-backs (microseconds).
+    pub lend_pauses_us: Mutex<VecDeque<u64>>,
+    pub take_back_pauses_us: Mutex<VecDeque<u64>>,
     /// The last migration switchover's stop of the drive's last ring, as the source saw it:
     /// drain, fdatasync and image release, until the GET_VRING_BASE reply (microseconds).
     pub switchover_stop_us: AtomicU64,
@@ -54,6 +58,18 @@ pub struct DriveStats {
     pub resubmitted: AtomicU64,
     /// Log budgets of what a guest or a disk can trigger on this drive.
     pub log: DriveLogLimits,
+}
+
+/// How many lend and take-back pauses a drive keeps.
+pub const PAUSE_SAMPLES: usize = 1000;
+
+/// Records one pause in a bounded list of samples.
+pub fn record_pause(v: &Mutex<VecDeque<u64>>, us: u64) {
+    let mut v = crate::util::lock(v);
+    if v.len() >= PAUSE_SAMPLES {
+        v.pop_front();
+    }
+    v.push_back(us);
 }
 
 /// One log budget per kind of line a guest, a disk or a frontend can repeat.

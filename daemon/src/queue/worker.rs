@@ -158,7 +158,7 @@ pub enum WorkerError {
 /// Starts the worker thread of one queue.
 pub fn spawn(p: WorkerParams) -> Result<WorkerHandle, WorkerError> {
     let depth = u32::from(p.queue.size());
-    let ctl = Arc::new(QueueCtl::new(p.index, depth).map_err(WorkerError::Setup)?);
+    let ctl = Arc::new(QueueCtl::new(p.index, depth, p.mem.clone()).map_err(WorkerError::Setup)?);
     let (io, engine) = p
         .drive
         .attach_worker(&ctl, depth)

@@ -10,7 +10,7 @@ use qmp_client::Qmp;
 use serde_json::Value;
 
 use super::drive_state::ManagedDrive;
-use super::qemu_graph::{export_id, filter_node};
+use super::qemu_graph::{export_id, filter_node, lend_export_id};
 use super::{qmp_run, SupError};
 use crate::util::lock;
 
@@ -100,12 +100,14 @@ pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
         }
     }
     let mut v = policy::qemu::drive_view(node, &snap.nodes, snap.graph.as_ref(), &ctx);
-    // Our own users of the node are not reasons.
-    let ours_export = snap
+    // Our own users of the node are not reasons: the NBD export, and the vhost-user-blk
+    // export a `lend=on` drive's rings are lent to.
+    let ours = snap
         .exports
         .iter()
-        .any(|e| e.id == export_id(id) && e.node_name == node);
-    if ours_export {
+        .filter(|e| (e.id == export_id(id) || e.id == lend_export_id(id)) && e.node_name == node)
+        .count();
+    for _ in 0..ours {
         if let Some(i) = v
             .parents
             .iter()

@@ -114,6 +114,8 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         switchover_stop_us: s.switchover_stop_us.load(Ordering::Relaxed),
         pauses_to_direct: PauseStats::of(&st.to_direct_us),
         pauses_to_qemu: PauseStats::of(&st.to_qemu_us),
+        pauses_lend: PauseStats::of(lock(&s.lend_pauses_us).make_contiguous()),
+        pauses_take_back: PauseStats::of(lock(&s.take_back_pauses_us).make_contiguous()),
         iops: (st.rates.iops * 10.0).round() / 10.0,
         mbps: (st.rates.mbps * 100.0).round() / 100.0,
         p99_us: st.rates.p99_us,

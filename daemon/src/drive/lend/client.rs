@@ -193,45 +193,66 @@ impl Client {
         self.set(SET_MEM_TABLE, &p, &fds)
     }
 
-    /// Hands one ring over: size, base, addresses, the call eventfd, then the kick eventfd
-    /// (the export may complete a request as soon as it has the kick; the call must be there
-    /// first), then enables it.
-    pub fn start_ring(
+    /// Hands rings over, each: size, base, addresses, the call eventfd, then the kick
+    /// eventfd (the export may complete a request as soon as it has the kick; the call must
+    /// be there first), then enable. Every message is sent before the first acknowledgement
+    /// is read: one round trip for all (QEMU's export handles them in order).
+    pub fn start_rings(
         &mut self,
-        r: &RingAddr,
-        call: Option<BorrowedFd<'_>>,
-        kick: BorrowedFd<'_>,
+        rings: &[(RingAddr, Option<BorrowedFd<'_>>, BorrowedFd<'_>)],
     ) -> Result<(), ClientError> {
-        self.set(SET_VRING_NUM, &state(r.index, u32::from(r.size)), &[])?;
-        self.set(SET_VRING_BASE, &state(r.index, u32::from(r.base)), &[])?;
-        let mut a = Vec::with_capacity(40);
-        a.extend_from_slice(&r.index.to_le_bytes());
-        a.extend_from_slice(&0u32.to_le_bytes());
-        for v in [r.desc, r.used, r.avail, 0] {
-            a.extend_from_slice(&v.to_le_bytes());
+        let mut sent = Vec::with_capacity(6 * rings.len());
+        for (r, call, kick) in rings {
+            let mut a = Vec::with_capacity(40);
+            a.extend_from_slice(&r.index.to_le_bytes());
+            a.extend_from_slice(&0u32.to_le_bytes());
+            for v in [r.desc, r.used, r.avail, 0] {
+                a.extend_from_slice(&v.to_le_bytes());
+            }
+            let i = u64::from(r.index);
+            let msgs: [(u32, Vec<u8>, Option<BorrowedFd<'_>>); 6] = [
+                (
+                    SET_VRING_NUM,
+                    state(r.index, u32::from(r.size)).to_vec(),
+                    None,
+                ),
+                (
+                    SET_VRING_BASE,
+                    state(r.index, u32::from(r.base)).to_vec(),
+                    None,
+                ),
+                (SET_VRING_ADDR, a, None),
+                match call {
+                    Some(fd) => (SET_VRING_CALL, i.to_le_bytes().to_vec(), Some(*fd)),
+                    None => (SET_VRING_CALL, (i | NOFD).to_le_bytes().to_vec(), None),
+                },
+                (SET_VRING_KICK, i.to_le_bytes().to_vec(), Some(*kick)),
+                (SET_VRING_ENABLE, state(r.index, 1).to_vec(), None),
+            ];
+            for (req, payload, fd) in msgs {
+                let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
+                self.send(req, NEED_REPLY, &payload, &fds)?;
+                sent.push(req);
+            }
         }
-        self.set(SET_VRING_ADDR, &a, &[])?;
-        match call {
-            Some(fd) => self.set(SET_VRING_CALL, &u64::from(r.index).to_le_bytes(), &[fd])?,
-            None => self.set(
-                SET_VRING_CALL,
-                &(u64::from(r.index) | NOFD).to_le_bytes(),
-                &[],
-            )?,
+        for req in sent {
+            self.ack(req)?;
         }
-        self.set(SET_VRING_KICK, &u64::from(r.index).to_le_bytes(), &[kick])?;
-        self.set(SET_VRING_ENABLE, &state(r.index, 1), &[])
+        Ok(())
     }
 
-    /// Takes the kick eventfd away from ring `index`: once acknowledged, the export pops
-    /// nothing more from it (it pops only in its kick handler, on the same thread that
-    /// answers).
-    pub fn detach_kick(&mut self, index: u32) -> Result<(), ClientError> {
-        self.set(
-            SET_VRING_KICK,
-            &(u64::from(index) | NOFD).to_le_bytes(),
-            &[],
-        )
+    /// Takes the kick eventfds away from rings `indices` (all sent, then every
+    /// acknowledgement read): once acknowledged, the export pops nothing more from them (it
+    /// pops only in its kick handler, on the same thread that answers).
+    pub fn detach_kicks(&mut self, indices: &[u32]) -> Result<(), ClientError> {
+        for &i in indices {
+            let p = (u64::from(i) | NOFD).to_le_bytes();
+            self.send(SET_VRING_KICK, NEED_REPLY, &p, &[])?;
+        }
+        for _ in indices {
+            self.ack(SET_VRING_KICK)?;
+        }
+        Ok(())
     }
 
     /// Stops ring `index` and returns the export's next avail index. QEMU's export answers
@@ -264,11 +285,17 @@ impl Client {
         let ack = self.reply_ack;
         self.send(req, if ack { NEED_REPLY } else { 0 }, payload, fds)?;
         if ack {
-            let b = self.reply(req, 8)?;
-            let status = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
-            if status != 0 {
-                return Err(ClientError::Refused { req, status });
-            }
+            self.ack(req)?;
+        }
+        Ok(())
+    }
+
+    /// Reads the acknowledgement of `req` (REPLY_ACK): zero is success.
+    fn ack(&mut self, req: u32) -> Result<(), ClientError> {
+        let b = self.reply(req, 8)?;
+        let status = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+        if status != 0 {
+            return Err(ClientError::Refused { req, status });
         }
         Ok(())
     }

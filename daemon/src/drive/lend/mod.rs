@@ -121,9 +121,11 @@ impl Drive {
     }
 
     /// Hands every running queue's ring to QEMU's vhost-user-blk export listening on
-    /// `socket` (see the module doc). On any failure the queues resume on the current
-    /// engine, where they were.
-    /// `peer_uid`: the export's server must run as this user (SO_PEERCRED).
+    /// `socket` (see the module doc). The session with the export (features, memory table)
+    /// is set up before the drive pauses; the pause is the drain, the workers parking and
+    /// one round trip for the rings. On any failure the queues resume on the current
+    /// engine, where they were. `peer_uid`: the export's server must run as this user
+    /// (SO_PEERCRED).
     pub fn lend_rings(
         self: &Arc<Self>,
         socket: &Path,
@@ -150,11 +152,28 @@ impl Drive {
         if self.engine().holds() {
             return Err(not("it is held"));
         }
-        if !self.has_running_queues() {
+        // The queues and the memory map change only through vhost-user messages, which wait
+        // for the gate: what is read here holds until the rings are lent.
+        let workers: Vec<Arc<QueueCtl>> = lock(&self.running).clone();
+        let Some(first) = workers.first() else {
             return Err(not("no queue runs"));
-        }
+        };
+        let mem = lock(&first.mem).clone();
+        let queues = workers
+            .iter()
+            .map(|w| w.index() as u32 + 1)
+            .max()
+            .unwrap_or(1);
+        let mut client = {
+            let regions = regions(&mem).map_err(|why| not(&why))?;
+            let mut c =
+                Client::connect(socket, peer_uid, features, queues).map_err(LendError::Export)?;
+            c.set_mem_table(&regions).map_err(LendError::Export)?;
+            c
+        };
         let t0 = Instant::now();
         let paused = self.pause_now().map_err(LendError::Pause)?;
+        let drained = t0.elapsed();
         let workers: Vec<Arc<QueueCtl>> = lock(&self.running).clone();
         for w in &workers {
             w.request_lend();
@@ -168,108 +187,82 @@ impl Drive {
                 None => failed = Some(LendError::Park(w.index())),
             }
         }
-        let result = match failed {
-            Some(e) => Err(e),
-            None => self.start_export(socket, peer_uid, features, &loans),
-        };
-        match result {
-            Ok(client) => {
-                let rings = loans
-                    .iter()
-                    .map(|(ctl, l)| LentRing {
-                        ctl: ctl.clone(),
-                        index: l.index as u32,
-                        size: l.size,
-                        used: l.used,
-                        mem: l.mem.clone(),
-                    })
-                    .collect();
-                paused.keep();
-                *lock(&self.lent) = Some(Lent {
-                    client,
-                    rings,
-                    since: Instant::now(),
-                });
-                self.stats.lends.fetch_add(1, Ordering::Relaxed);
-                let pause = t0.elapsed();
-                info!(drive = %self.cfg.name, queues = loans.len(), pause_us = pause.as_micros() as u64, "rings lent to QEMU's vhost-user-blk export");
-                Ok(LendReport {
-                    queues: loans.len(),
-                    pause,
-                })
-            }
-            Err(e) => {
-                // Nothing reached the export's rings (or it had them only unkicked, before
-                // the first completion): each worker takes its ring back where it was.
-                for (w, l) in &loans {
-                    w.request_reclaim(l.next_avail);
-                }
-                for w in &workers {
-                    w.wait_reclaimed(Instant::now() + PARK_TIMEOUT);
-                }
-                drop(paused);
-                Err(e)
+        if failed.is_none() {
+            if let Some((_, l)) = loans.iter().find(|(_, l)| {
+                !l.event_idx || !Arc::ptr_eq(&l.mem, &mem) || l.index as u32 >= queues
+            }) {
+                failed = Some(not(&format!("queue {} changed under the lend", l.index)));
             }
         }
-    }
-
-    fn start_export(
-        &self,
-        socket: &Path,
-        peer_uid: Option<u32>,
-        features: u64,
-        loans: &[(Arc<QueueCtl>, RingLoan)],
-    ) -> Result<Client, LendError> {
-        let not = |why: String| LendError::NotLendable {
-            drive: self.cfg.name.clone(),
-            why,
-        };
-        let Some((_, first)) = loans.first() else {
-            return Err(not("no queue runs".into()));
-        };
-        if let Some((_, l)) = loans.iter().find(|(_, l)| !l.event_idx) {
-            return Err(not(format!("queue {} runs without EVENT_IDX", l.index)));
+        if let Some(e) = failed {
+            // Nothing reached the export's rings: each worker takes its ring back where it
+            // was.
+            drop(client);
+            for (w, l) in &loans {
+                w.request_reclaim(l.next_avail);
+            }
+            for w in &workers {
+                w.wait_reclaimed(Instant::now() + PARK_TIMEOUT);
+            }
+            drop(paused);
+            return Err(e);
         }
-        let mem = first.mem.clone();
-        let mut regions = Vec::new();
-        for r in mem.iter() {
-            let Some(fo) = r.file_offset() else {
-                return Err(not("guest memory that is not a shared file".into()));
-            };
-            regions.push(Region {
-                gpa: r.start_addr().raw_value(),
-                size: r.len(),
-                fd: std::os::fd::AsFd::as_fd(fo.file()),
-                offset: fo.start(),
-            });
-        }
-        let queues = loans
+        let rings: Vec<_> = loans
             .iter()
-            .map(|(_, l)| l.index as u32 + 1)
-            .max()
-            .unwrap_or(1);
-        let mut c =
-            Client::connect(socket, peer_uid, features, queues).map_err(LendError::Export)?;
-        c.set_mem_table(&regions).map_err(LendError::Export)?;
-        for (_, l) in loans {
-            let r = RingAddr {
+            .map(|(_, l)| {
+                let r = RingAddr {
+                    index: l.index as u32,
+                    size: l.size,
+                    desc: l.desc,
+                    avail: l.avail,
+                    used: l.used,
+                    base: l.next_avail,
+                };
+                (r, l.call.as_ref().map(borrow), borrow(&l.kick))
+            })
+            .collect();
+        let parked = t0.elapsed();
+        let started = client.start_rings(&rings);
+        let lent_rings = loans
+            .iter()
+            .map(|(ctl, l)| LentRing {
+                ctl: ctl.clone(),
                 index: l.index as u32,
                 size: l.size,
-                desc: l.desc,
-                avail: l.avail,
                 used: l.used,
-                base: l.next_avail,
-            };
-            let call = l.call.as_ref().map(borrow);
-            c.start_ring(&r, call, borrow(&l.kick))
-                .map_err(LendError::Export)?;
+                mem: l.mem.clone(),
+            })
+            .collect();
+        paused.keep();
+        *lock(&self.lent) = Some(Lent {
+            client,
+            rings: lent_rings,
+            since: Instant::now(),
+        });
+        if let Err(e) = started {
+            // A ring the export got may have been popped from already (its kick eventfd
+            // holds the guest's kicks since the workers parked): the ordinary take-back
+            // learns where each ring stands.
+            self.reclaim_locked();
+            return Err(LendError::Export(e));
         }
         // Whatever the guest made available meanwhile (acceld's paused workers read its
         // kicks) is seen now.
-        for (_, l) in loans {
+        for (_, l) in &loans {
             let _ = l.kick.write(1);
         }
-        Ok(c)
+        self.stats.lends.fetch_add(1, Ordering::Relaxed);
+        let pause = t0.elapsed();
+        super::stats::record_pause(&self.stats.lend_pauses_us, pause.as_micros() as u64);
+        // A guest can make its front-end take the rings back (a device reset) as often as it
+        // likes, and each time they are lent again: budgeted.
+        if let Some(n) = self.stats.log.vhost.admit() {
+            info!(drive = %self.cfg.name, queues = loans.len(), pause_us = pause.as_micros() as u64, drain_us = drained.as_micros() as u64, park_us = (parked - drained).as_micros() as u64, rings_us = (pause - parked).as_micros() as u64, "rings lent to QEMU's vhost-user-blk export{}", crate::util::suppressed(n));
+        }
+        Ok(LendReport {
+            queues: loans.len(),
+            pause,
+        })
     }
 
     /// Takes lent rings back (see the module doc), then the queues resume on the drive's
@@ -294,14 +287,17 @@ impl Drive {
         let lent_for = lent.since.elapsed();
         // 1. The export pops no more. A session that fails here is closed below; the ring
         //    is then judged from guest memory alone.
-        let mut session_ok = true;
-        for r in &lent.rings {
-            if let Err(e) = lent.client.detach_kick(r.index) {
-                warn!(drive = %self.cfg.name, queue = r.index, "taking the kick back from the export failed: {}", crate::util::error_chain(&e));
-                session_ok = false;
-                break;
+        let indices: Vec<u32> = lent.rings.iter().map(|r| r.index).collect();
+        let session_ok = match lent.client.detach_kicks(&indices) {
+            Ok(()) => true,
+            Err(e) => {
+                if let Some(n) = self.stats.log.vhost.admit() {
+                    warn!(drive = %self.cfg.name, "taking the kicks back from the export failed: {}{}", crate::util::error_chain(&e), crate::util::suppressed(n));
+                }
+                false
             }
-        }
+        };
+        let detached = t0.elapsed();
         // 2. Every request it popped completes.
         let deadline = Instant::now()
             + if session_ok {
@@ -327,6 +323,7 @@ impl Drive {
             }
             bases.push(next);
         }
+        let idle = t0.elapsed();
         // 3. Its own word on where it stopped, now that nothing is in flight.
         if session_ok {
             for (r, b) in lent.rings.iter().zip(bases.iter_mut()) {
@@ -356,7 +353,10 @@ impl Drive {
         self.resume_after_lend(&lent_queues);
         self.queues_changed();
         let pause = t0.elapsed();
-        info!(drive = %self.cfg.name, queues = lent.rings.len(), pause_us = pause.as_micros() as u64, lent_ms = lent_for.as_millis() as u64, "rings taken back from QEMU's export");
+        super::stats::record_pause(&self.stats.take_back_pauses_us, pause.as_micros() as u64);
+        if let Some(n) = self.stats.log.vhost.admit() {
+            info!(drive = %self.cfg.name, queues = lent.rings.len(), pause_us = pause.as_micros() as u64, detach_us = detached.as_micros() as u64, idle_us = (idle - detached).as_micros() as u64, lent_ms = lent_for.as_millis() as u64, "rings taken back from QEMU's export{}", crate::util::suppressed(n));
+        }
         Some(LendReport {
             queues: lent.rings.len(),
             pause,
@@ -367,6 +367,23 @@ impl Drive {
 fn borrow(e: &EventFd) -> std::os::fd::BorrowedFd<'_> {
     // SAFETY: the descriptor belongs to `e`, which outlives the returned borrow.
     unsafe { std::os::fd::BorrowedFd::borrow_raw(std::os::fd::AsRawFd::as_raw_fd(e)) }
+}
+
+/// The guest memory regions of `mem`, each with its file (the export maps them itself).
+fn regions(mem: &Mem) -> Result<Vec<Region<'_>>, String> {
+    let mut out = Vec::new();
+    for r in mem.iter() {
+        let Some(fo) = r.file_offset() else {
+            return Err("guest memory that is not a shared file".into());
+        };
+        out.push(Region {
+            gpa: r.start_addr().raw_value(),
+            size: r.len(),
+            fd: std::os::fd::AsFd::as_fd(fo.file()),
+            offset: fo.start(),
+        });
+    }
+    Ok(out)
 }
 
 /// How long the drive's queues must stay unchanged before a lender lends them (a front-end
