@@ -220,3 +220,126 @@ fn a_lender_lends_again_after_a_front_end_took_the_rings_back() {
     assert_eq!(fe.request(0, T_IN, 8, &[], 4096).unwrap().1, data);
     assert_eq!(served_by_acceld(s), before + 1);
 }
+
+/// What a hostile or broken export does.
+#[derive(Clone, Copy)]
+enum Fake {
+    /// Refuses SET_VRING_KICK (non-zero acknowledgement): a ring had reached it already.
+    RefuseKick,
+    /// Answers SET_MEM_TABLE with a reply to another request.
+    WrongReply,
+    /// Accepts everything (and, as every variant, answers GET_VRING_BASE with a base of its
+    /// own invention).
+    LyingBase,
+}
+
+/// A vhost-user "export" on `path` that acts as `how`, for one session at a time.
+fn fake_export(path: &std::path::Path, how: Fake) -> std::thread::JoinHandle<()> {
+    use std::io::{Read, Write};
+    let l = std::os::unix::net::UnixListener::bind(path).unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            loop {
+                let mut h = [0u8; 12];
+                if s.read_exact(&mut h).is_err() {
+                    break;
+                }
+                let req = u32::from_le_bytes(h[0..4].try_into().unwrap());
+                let flags = u32::from_le_bytes(h[4..8].try_into().unwrap());
+                let size = u32::from_le_bytes(h[8..12].try_into().unwrap()) as usize;
+                let mut p = vec![0u8; size];
+                if s.read_exact(&mut p).is_err() {
+                    break;
+                }
+                let reply = |s: &mut std::os::unix::net::UnixStream, req: u32, body: &[u8]| {
+                    let mut m = Vec::new();
+                    m.extend_from_slice(&req.to_le_bytes());
+                    m.extend_from_slice(&(0x1u32 | 0x4).to_le_bytes());
+                    m.extend_from_slice(&(body.len() as u32).to_le_bytes());
+                    m.extend_from_slice(body);
+                    let _ = s.write_all(&m);
+                };
+                match (req, how) {
+                    // GET_FEATURES, GET_PROTOCOL_FEATURES: everything; GET_QUEUE_NUM: 8.
+                    (1 | 15, _) => reply(&mut s, req, &u64::MAX.to_le_bytes()),
+                    (17, _) => reply(&mut s, req, &8u64.to_le_bytes()),
+                    // GET_VRING_BASE: a base of its own invention.
+                    (11, _) => {
+                        let mut b = p[0..4].to_vec();
+                        b.extend_from_slice(&7777u32.to_le_bytes());
+                        reply(&mut s, req, &b)
+                    }
+                    (5, Fake::WrongReply) => reply(&mut s, 3, &0u64.to_le_bytes()),
+                    (12, Fake::RefuseKick) if flags & 0x8 != 0 && p[1] & 1 == 0 => {
+                        reply(&mut s, req, &1u64.to_le_bytes())
+                    }
+                    _ if flags & 0x8 != 0 => reply(&mut s, req, &0u64.to_le_bytes()),
+                    _ => {}
+                }
+            }
+        }
+    })
+}
+
+/// An export that refuses the rings, answers out of turn or lies about where it stopped:
+/// the lend fails or the take-back resumes where the ring really is; acceld serves every
+/// request again, nothing is replayed or lost.
+#[test]
+fn a_broken_or_lying_export_costs_nothing() {
+    let su = setup(1);
+    let s = &su.s;
+    let mut fe = frontend(s, 1);
+    let mut sent = 1u32; // the flush of `frontend`
+    for (i, how) in [Fake::RefuseKick, Fake::WrongReply, Fake::LyingBase]
+        .into_iter()
+        .enumerate()
+    {
+        let path = s.dir.path().join(format!("fake{i}.sock"));
+        let _t = fake_export(&path, how);
+        let r = s.drive.lend_rings(&path, None);
+        match how {
+            Fake::LyingBase => {
+                r.expect("this one accepts the rings");
+                assert!(s.drive.rings_lent());
+                // It pops nothing: the take-back resumes at acceld's own position.
+                s.drive.reclaim_rings().expect("lent");
+            }
+            _ => {
+                let e = r.expect_err("the lend must fail");
+                println!("refused as expected: {}", acceld::util::error_chain(&e));
+            }
+        }
+        assert!(!s.drive.rings_lent());
+        let before = served_by_acceld(s);
+        let data = vec![i as u8 + 0x10; 4096];
+        assert_eq!(fe.request(0, T_OUT, 64, &data, 0).unwrap().0, S_OK);
+        assert_eq!(fe.request(0, T_IN, 64, &[], 4096).unwrap().1, data);
+        sent += 2;
+        assert_eq!(served_by_acceld(s), before + 2, "acceld serves");
+    }
+    // The ring is exactly where the guest's requests put it.
+    assert_eq!(fe.get_vring_base(0).unwrap(), sent);
+}
+
+#[test]
+fn a_driver_without_event_idx_is_not_lent() {
+    let su = setup(1);
+    let s = &su.s;
+    let mut fe = BlkFrontend::connect(
+        &s.socket,
+        FrontendOptions {
+            queues: 1,
+            queue_size: 128,
+            max_data: 4096,
+            event_idx: false,
+            inflight: false,
+        },
+    )
+    .unwrap();
+    assert_eq!(fe.request(0, T_FLUSH, 0, &[], 0).unwrap().0, S_OK);
+    let e = s.drive.lend_rings(&su.export, None).expect_err("no EVENT_IDX");
+    assert!(e.to_string().contains("EVENT_IDX"), "{e}");
+    assert!(!s.drive.rings_lent());
+    assert_eq!(fe.request(0, T_FLUSH, 0, &[], 0).unwrap().0, S_OK);
+}

@@ -413,6 +413,10 @@ impl Worker {
             }
             for ev in &events[..n] {
                 match ev.data() {
+                    // A kick event from the same wait as the control event that parked
+                    // the queue: the kick eventfd is the export's now (reading it would
+                    // take a kick from it; QEMU's export panics on an empty read).
+                    TOKEN_KICK if self.lent => {}
                     TOKEN_KICK => {
                         let _ = self.kick.read();
                         self.process_avail();

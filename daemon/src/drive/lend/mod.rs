@@ -324,17 +324,23 @@ impl Drive {
             bases.push(next);
         }
         let idle = t0.elapsed();
-        // 3. Its own word on where it stopped, now that nothing is in flight.
+        // 3. Only now may the ring stop in the export (GET_VRING_BASE answers at once, with
+        //    requests in flight or not). Its answer must agree with `avail_event`, which the
+        //    idle check relied on; if it does not, `avail_event` stands (it is where the
+        //    export's pops stopped, in the guest's own ring).
         if session_ok {
-            for (r, b) in lent.rings.iter().zip(bases.iter_mut()) {
+            for (r, b) in lent.rings.iter().zip(&bases) {
                 match lent.client.get_vring_base(r.index) {
                     Ok(base) if base == *b => {}
                     Ok(base) => {
-                        warn!(drive = %self.cfg.name, queue = r.index, base, avail_event = *b, "the export's base differs from its avail_event; taking its base");
-                        *b = base;
+                        if let Some(n) = self.stats.log.vhost.admit() {
+                            warn!(drive = %self.cfg.name, queue = r.index, base, avail_event = *b, "the export's base differs from its avail_event; resuming at avail_event{}", crate::util::suppressed(n));
+                        }
                     }
                     Err(e) => {
-                        warn!(drive = %self.cfg.name, queue = r.index, "GET_VRING_BASE from the export failed: {}", crate::util::error_chain(&e));
+                        if let Some(n) = self.stats.log.vhost.admit() {
+                            warn!(drive = %self.cfg.name, queue = r.index, "GET_VRING_BASE from the export failed: {}{}", crate::util::error_chain(&e), crate::util::suppressed(n));
+                        }
                         break;
                     }
                 }
