@@ -307,6 +307,11 @@ impl Qsd {
     pub fn pid(&self) -> u32 {
         self.0.id()
     }
+
+    /// Whether the process has ended.
+    pub fn exited(&mut self) -> bool {
+        matches!(self.0.try_wait(), Ok(Some(_)))
+    }
 }
 
 impl Drop for Qsd {
