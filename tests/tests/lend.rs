@@ -358,3 +358,29 @@ fn a_driver_without_event_idx_is_not_lent() {
     assert!(!s.drive.rings_lent());
     assert_eq!(fe.request(0, T_FLUSH, 0, &[], 0).unwrap().0, S_OK);
 }
+
+/// A guest that writes its own used ring while lent (the ring then never looks idle): the
+/// take-back does not hang or trust it; after a bounded wait it takes the export's word that
+/// its session drained (a new session is answered only then) and resumes where the export's
+/// pops stopped.
+#[test]
+fn a_used_ring_forged_by_the_guest_does_not_hang_the_take_back() {
+    let su = setup(1);
+    let s = &su.s;
+    let mut fe = frontend(s, 1);
+    s.drive.lend_rings(&su.export, None).expect("lend");
+    let (used, _) = fe.used_ring(0);
+    let mut idx = [0u8; 2];
+    fe.mem.read(used + 2, &mut idx);
+    let real = u16::from_le_bytes(idx);
+    fe.mem.write(used + 2, &real.wrapping_add(3).to_le_bytes());
+    let t0 = Instant::now();
+    s.drive.reclaim_rings().expect("lent");
+    let took = t0.elapsed();
+    assert!(!s.drive.rings_lent());
+    assert!(took < Duration::from_secs(30), "take-back took {took:?}");
+    // The guest's own ring says where it is: one request before the lend, none since.
+    fe.mem.write(used + 2, &real.to_le_bytes());
+    assert_eq!(fe.get_vring_base(0).unwrap(), 1);
+    println!("take-back with a forged used index: {took:?}");
+}

@@ -114,6 +114,12 @@ impl Client {
         features: u64,
         queues: u32,
     ) -> Result<Client, ClientError> {
+        let mut c = Self::open(path, peer_uid)?;
+        c.negotiate(features, queues)?;
+        Ok(c)
+    }
+
+    fn open(path: &Path, peer_uid: Option<u32>) -> Result<Client, ClientError> {
         let sock = UnixStream::connect(path).map_err(|source| ClientError::Connect {
             path: path.to_path_buf(),
             source,
@@ -131,10 +137,14 @@ impl Client {
         let io = |source| ClientError::Io { req: 0, source };
         sock.set_read_timeout(Some(IO_TIMEOUT)).map_err(io)?;
         sock.set_write_timeout(Some(IO_TIMEOUT)).map_err(io)?;
-        let mut c = Client {
+        Ok(Client {
             sock,
             reply_ack: false,
-        };
+        })
+    }
+
+    fn negotiate(&mut self, features: u64, queues: u32) -> Result<(), ClientError> {
+        let c = self;
         let offered = c.get_u64(GET_FEATURES)?;
         let wanted = features & !F_PROTOCOL_FEATURES;
         if wanted & !offered != 0 {
@@ -169,8 +179,14 @@ impl Client {
             SET_FEATURES,
             &(wanted | F_PROTOCOL_FEATURES).to_le_bytes(),
             &[],
-        )?;
-        Ok(c)
+        )
+    }
+
+    /// Connects and asks GET_FEATURES, nothing more: answered only once the export took
+    /// this connection, i.e. after its previous session ended and drained.
+    pub fn probe(path: &Path, peer_uid: Option<u32>) -> Result<(), ClientError> {
+        let mut c = Self::open(path, peer_uid)?;
+        c.get_u64(GET_FEATURES).map(drop)
     }
 
     /// The guest's memory (at most [`MAX_REGIONS`] regions).

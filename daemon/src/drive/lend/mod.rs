@@ -51,8 +51,11 @@ use client::{Client, ClientError, Region, RingAddr};
 
 /// How long a worker may take to park or to resume from a lend.
 const PARK_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long the export may take to finish what it popped once its kicks are detached.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the ring may take to look idle (`used->idx == avail_event`) once the export's
+/// kicks are detached; past it, the export's own drain is waited for (see `reclaim_locked`).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest wait for the export to finish its session after that.
+const DRAIN_PROOF_TIMEOUT: Duration = Duration::from_secs(60);
 /// The same when the session broke (QEMU gone, or the export deleted): whatever it still
 /// finishes, it finishes soon or never.
 const BROKEN_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -89,6 +92,8 @@ pub enum LendError {
 /// A lend in place.
 pub(crate) struct Lent {
     client: Client,
+    socket: std::path::PathBuf,
+    peer_uid: Option<u32>,
     rings: Vec<LentRing>,
     since: Instant,
 }
@@ -236,6 +241,8 @@ impl Drive {
         paused.keep();
         *lock(&self.lent) = Some(Lent {
             client,
+            socket: socket.to_path_buf(),
+            peer_uid,
             rings: lent_rings,
             since: Instant::now(),
         });
@@ -306,21 +313,14 @@ impl Drive {
                 BROKEN_IDLE_TIMEOUT
             };
         let mut bases = Vec::with_capacity(lent.rings.len());
+        let mut idle_seen = true;
         for r in &lent.rings {
-            let avail_event = r.used + 4 + 8 * u64::from(r.size);
-            let (mut used, mut next) = ring_positions(&r.mem, r.used, avail_event);
+            let (mut used, mut next) = ring_positions(&r.mem, r.used, r.size);
             while used != next && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_micros(20));
-                (used, next) = ring_positions(&r.mem, r.used, avail_event);
+                (used, next) = ring_positions(&r.mem, r.used, r.size);
             }
-            if used != next {
-                // A request the export never completed (it drops malformed ones without a
-                // completion, as QEMU's export does): it stays unanswered, as it would have
-                // under QEMU alone.
-                if let Some(n) = self.stats.log.vhost.admit() {
-                    warn!(drive = %self.cfg.name, queue = r.index, used, next, "the export left requests unfinished; resuming after them{}", crate::util::suppressed(n));
-                }
-            }
+            idle_seen &= used == next;
             bases.push(next);
         }
         let idle = t0.elapsed();
@@ -328,7 +328,7 @@ impl Drive {
         //    requests in flight or not). Its answer must agree with `avail_event`, which the
         //    idle check relied on; if it does not, `avail_event` stands (it is where the
         //    export's pops stopped, in the guest's own ring).
-        if session_ok {
+        if session_ok && idle_seen {
             for (r, b) in lent.rings.iter().zip(&bases) {
                 match lent.client.get_vring_base(r.index) {
                     Ok(base) if base == *b => {}
@@ -346,7 +346,24 @@ impl Drive {
                 }
             }
         }
-        drop(lent.client);
+        if session_ok && !idle_seen {
+            // The ring does not look idle (a slow request, a request the export dropped
+            // without a completion, or a guest writing its used ring itself). The export
+            // accepts its next client only once this session drained: closing it and being
+            // answered on a new connection proves nothing of it still writes the ring.
+            drop(lent.client);
+            let proved = export_drained(&lent.socket, lent.peer_uid);
+            bases = lent
+                .rings
+                .iter()
+                .map(|r| ring_positions(&r.mem, r.used, r.size).1)
+                .collect();
+            if let Some(n) = self.stats.log.vhost.admit() {
+                warn!(drive = %self.cfg.name, drained = proved, "the ring did not look idle within {IDLE_TIMEOUT:?}; resumed after the export's session ended{}", crate::util::suppressed(n));
+            }
+        } else {
+            drop(lent.client);
+        }
         for (r, b) in lent.rings.iter().zip(&bases) {
             r.ctl.request_reclaim(*b);
         }
@@ -368,6 +385,20 @@ impl Drive {
             pause,
         })
     }
+}
+
+/// Waits until the export on `socket` answers a new session: it accepts one only after the
+/// previous one drained (QEMU's vhost-user server waits for its requests in flight before it
+/// listens again). False when it did not within [`DRAIN_PROOF_TIMEOUT`].
+fn export_drained(socket: &Path, peer_uid: Option<u32>) -> bool {
+    let deadline = Instant::now() + DRAIN_PROOF_TIMEOUT;
+    while Instant::now() < deadline {
+        match Client::probe(socket, peer_uid) {
+            Ok(()) => return true,
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+    false
 }
 
 fn borrow(e: &EventFd) -> std::os::fd::BorrowedFd<'_> {
@@ -486,9 +517,11 @@ impl Drop for Lender {
     }
 }
 
-/// `used->idx` and `avail_event` of a ring in guest memory (a ring that cannot be read
-/// counts as idle: nothing can be learnt from it).
-fn ring_positions(mem: &Mem, used: u64, avail_event: u64) -> (u16, u16) {
+/// `used->idx` and `avail_event` of a split ring of `size` entries whose used ring is at
+/// `used`, in guest memory (a ring that cannot be read counts as idle: nothing can be
+/// learnt from it).
+fn ring_positions(mem: &Mem, used: u64, size: u16) -> (u16, u16) {
+    let avail_event = used + 4 + 8 * u64::from(size);
     let rd = |a: u64| {
         mem.load::<u16>(GuestAddress(a), Ordering::Acquire)
             .map(u16::from_le)
