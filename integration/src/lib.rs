@@ -384,6 +384,36 @@ echo md5=$(md5sum /tmp/p | cut -d' ' -f1)
     )
 }
 
+/// `qemu-img create -f qcow2 PATH SIZE` (size as qemu-img takes it: `64M`).
+pub fn create_qcow2(path: &Path, size: &str) -> Result<()> {
+    let st = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(path)
+        .arg(size)
+        .status()?;
+    if !st.success() {
+        bail!("qemu-img create {} failed: {st}", path.display());
+    }
+    Ok(())
+}
+
+/// md5 of the first `len` bytes of the guest's view of a qcow2 image (converted to raw next
+/// to it, `-U`: the VM may still hold it).
+pub fn qcow2_md5(img: &Path, len: u64) -> Result<String> {
+    let raw = img.with_extension("md5.raw");
+    let st = Command::new("qemu-img")
+        .args(["convert", "-U", "-O", "raw"])
+        .arg(img)
+        .arg(&raw)
+        .status()?;
+    if !st.success() {
+        bail!("qemu-img convert {} failed: {st}", img.display());
+    }
+    let md5 = host_md5(&raw, len);
+    let _ = std::fs::remove_file(&raw);
+    md5
+}
+
 /// md5 of the first `len` bytes of a file, with the host's md5sum.
 pub fn host_md5(path: &Path, len: u64) -> Result<String> {
     let out = Command::new("sh")

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use accel_integration::supervised::{boot_registered, writer_script, AcceldRun, SideQmp};
-use accel_integration::{guest_value, host_md5, Guest};
+use accel_integration::{create_qcow2, guest_value, host_md5, qcow2_md5, Guest};
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
@@ -42,6 +42,21 @@ fn progress(g: &mut Guest) -> Result<u64> {
         .and_then(|s| s.split_whitespace().next())
         .and_then(|s| s.parse().ok());
     v.ok_or_else(|| anyhow::anyhow!("no figure in {line:?}"))
+}
+
+/// Stops the guest's writers and returns the md5 of what they wrote, once the guest said
+/// `RESULT: PASS` (every block verified).
+fn finish_guest(g: &mut Guest, acc: &AcceldRun) -> Result<String> {
+    g.send_line("STOP")?;
+    let out = g.wait_exit(Duration::from_secs(180))?;
+    if !out.iter().any(|l| l.contains("RESULT: PASS")) {
+        bail!(
+            "guest failed:\n{}\nacceld log:\n{}",
+            out.join("\n"),
+            acc.log_text()
+        );
+    }
+    guest_value(&out, "md5")
 }
 
 fn lend_exports(t: &SideQmp) -> Result<Vec<Value>> {
@@ -139,16 +154,7 @@ fn lent_rings_under_guest_writes_through_throttle_stop_cont_and_back_to_direct()
         "acceld serves again"
     );
 
-    g.send_line("STOP")?;
-    let out = g.wait_exit(Duration::from_secs(180))?;
-    if !out.iter().any(|l| l.contains("RESULT: PASS")) {
-        bail!(
-            "guest failed:\n{}\nacceld log:\n{}",
-            out.join("\n"),
-            acc.log_text()
-        );
-    }
-    let md5 = guest_value(&out, "md5")?;
+    let md5 = finish_guest(&mut g, &acc)?;
     assert_eq!(host_md5(Path::new(&img), 16 * 64 * 4096)?, md5);
     Ok(())
 }
@@ -164,12 +170,7 @@ fn a_lent_qcow2_drive_survives_acceld_sigkills() -> Result<()> {
         .tempdir_in("/var/tmp")?;
     let run = dir.path().join("run");
     let img = dir.path().join("d0.qcow2");
-    let st = std::process::Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(&img)
-        .arg("64M")
-        .status()?;
-    assert!(st.success());
+    create_qcow2(&img, "64M")?;
     let qmp = dir.path().join("qmp.sock");
     let tq = dir.path().join("test-qmp.sock");
     let mut acc = AcceldRun::start(&run, CONFIG)?;
@@ -206,23 +207,7 @@ fn a_lent_qcow2_drive_survives_acceld_sigkills() -> Result<()> {
             }
         }
     }
-    g.send_line("STOP")?;
-    let out = g.wait_exit(Duration::from_secs(180))?;
-    if !out.iter().any(|l| l.contains("RESULT: PASS")) {
-        bail!(
-            "guest failed:\n{}\nacceld log:\n{}",
-            out.join("\n"),
-            acc.log_text()
-        );
-    }
-    let md5 = guest_value(&out, "md5")?;
-    let raw = dir.path().join("d0.raw");
-    let st = std::process::Command::new("qemu-img")
-        .args(["convert", "-U", "-O", "raw"])
-        .arg(&img)
-        .arg(&raw)
-        .status()?;
-    assert!(st.success());
-    assert_eq!(host_md5(&raw, 8 * 64 * 4096)?, md5);
+    let md5 = finish_guest(&mut g, &acc)?;
+    assert_eq!(qcow2_md5(&img, 8 * 64 * 4096)?, md5);
     Ok(())
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use accel_integration::supervised::{boot_registered, writer_script, AcceldRun, SideQmp};
-use accel_integration::{guest_value, host_md5, Guest};
+use accel_integration::{create_qcow2, guest_value, host_md5, qcow2_md5, Guest};
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
@@ -282,12 +282,7 @@ fn qcow2_drive_is_served_by_qemu() -> Result<()> {
     let dir = workdir("qcow2");
     let run = dir.path().join("run");
     let img = dir.path().join("d1.qcow2");
-    let st = std::process::Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(&img)
-        .arg("32M")
-        .status()?;
-    assert!(st.success());
+    create_qcow2(&img, "32M")?;
     let qmp = dir.path().join("qmp.sock");
     let tq = dir.path().join("test-qmp.sock");
     let acc = AcceldRun::start(&run, CONFIG)?;
@@ -309,15 +304,8 @@ fn qcow2_drive_is_served_by_qemu() -> Result<()> {
     std::thread::sleep(Duration::from_secs(3));
     let out = finish_guest(&mut g)?;
     let md5 = guest_value(&out, "md5")?;
-    let raw = dir.path().join("d1.raw");
-    let st = std::process::Command::new("qemu-img")
-        .args(["convert", "-U", "-O", "raw"])
-        .arg(&img)
-        .arg(&raw)
-        .status()?;
-    assert!(st.success());
     assert_eq!(
-        host_md5(&raw, 8 * 32 * 4096)?,
+        qcow2_md5(&img, 8 * 32 * 4096)?,
         md5,
         "data is in the qcow2 file"
     );

@@ -151,6 +151,15 @@ impl ManagedDrive {
         }
     }
 
+    /// Stops the drive's lender, if any: lent rings come back (blocking; from the runtime,
+    /// through `block_in_place`).
+    pub fn stop_lending(&self) {
+        let lender = lock(&self.lender).take();
+        if lender.is_some() {
+            tokio::task::block_in_place(|| drop(lender));
+        }
+    }
+
     pub fn id(&self) -> &str {
         &self.spec.id
     }

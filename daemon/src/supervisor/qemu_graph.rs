@@ -90,6 +90,31 @@ pub(super) async fn lift_limits(qmp: &Qmp, d: &ManagedDrive) {
     }
 }
 
+/// Deletes export `id` (hard: its clients are cut) if it exists, and waits until QEMU has.
+async fn remove_export(qmp: &Qmp, id: &str) -> Result<(), SupError> {
+    if !has_export(qmp, id).await? {
+        return Ok(());
+    }
+    qmp_run(
+        qmp,
+        &BlockExportDel {
+            id: id.to_string(),
+            mode: Some("hard".into()),
+        },
+    )
+    .await?;
+    let t0 = Instant::now();
+    while has_export(qmp, id).await? {
+        if t0.elapsed() > Duration::from_secs(10) {
+            return Err(SupError::QemuState(format!(
+                "remove export {id} within 10 s"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    Ok(())
+}
+
 async fn has_export(qmp: &Qmp, id: &str) -> Result<bool, SupError> {
     let ex = qmp_run(qmp, &QueryBlockExports).await?;
     Ok(ex.iter().any(|e| e.id == id))
@@ -273,30 +298,9 @@ impl Supervisor {
 
     /// Takes lent rings back and removes QEMU's vhost-user-blk export of the drive.
     pub(super) async fn lend_down(&self, d: &ManagedDrive, qmp: &Qmp) -> Result<(), SupError> {
-        let lender = lock(&d.lender).take();
-        if lender.is_some() {
-            block_in_place(|| drop(lender));
-        }
+        d.stop_lending();
         let export = lend_export_id(d.id());
-        if has_export(qmp, &export).await? {
-            qmp_run(
-                qmp,
-                &BlockExportDel {
-                    id: export.clone(),
-                    mode: Some("hard".into()),
-                },
-            )
-            .await?;
-            let t0 = Instant::now();
-            while has_export(qmp, &export).await? {
-                if t0.elapsed() > Duration::from_secs(10) {
-                    return Err(SupError::QemuState(format!(
-                        "remove export {export} within 10 s"
-                    )));
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        }
+        remove_export(qmp, &export).await?;
         if let Some(sock) = lock(&d.graph).lend_socket.take() {
             let _ = std::fs::remove_file(sock);
         }
@@ -331,25 +335,7 @@ impl Supervisor {
         self.lend_down(d, qmp).await?;
         let id = d.id();
         let export = export_id(id);
-        if has_export(qmp, &export).await? {
-            qmp_run(
-                qmp,
-                &BlockExportDel {
-                    id: export.clone(),
-                    mode: Some("hard".into()),
-                },
-            )
-            .await?;
-            let t0 = Instant::now();
-            while has_export(qmp, &export).await? {
-                if t0.elapsed() > Duration::from_secs(10) {
-                    return Err(SupError::QemuState(format!(
-                        "remove export {export} within 10 s"
-                    )));
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        }
+        remove_export(qmp, &export).await?;
         let nodes = qmp_run(qmp, &QueryNamedBlockNodes::default()).await?;
         let filter = filter_node(id);
         if nodes

@@ -98,10 +98,7 @@ impl Supervisor {
         let from = d.engine_kind();
         let drive = d.drive.clone();
         // Lent rings come back, and stay, until the drive is on the qemu engine again.
-        let lender = lock(&d.lender).take();
-        if lender.is_some() {
-            block_in_place(|| drop(lender));
-        }
+        d.stop_lending();
         if let Target::Direct(spec) = &to {
             super::permit::check_owned_image(vm.owner, &d.spec.image, &spec.image)?;
         }
