@@ -282,6 +282,31 @@ impl Guest {
         })
     }
 
+    /// The next `progress=N` figure of `accel-writer` (writes its kernel completed on the
+    /// disk, printed every 2 s).
+    pub fn progress(&mut self) -> Result<u64> {
+        let line = self.wait_for("progress=", Duration::from_secs(120))?;
+        line.rsplit("progress=")
+            .next()
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| anyhow!("no figure in {line:?}"))
+    }
+
+    /// Waits for a `progress=` figure above `at` (the guest's I/O went on) and returns it;
+    /// fails once the guest printed 100 000 lines without one.
+    pub fn progress_beyond(&mut self, at: u64) -> Result<u64> {
+        loop {
+            let p = self.progress()?;
+            if p > at {
+                return Ok(p);
+            }
+            if self.output.len() > 100_000 {
+                bail!("the guest's I/O did not go on past {at}");
+            }
+        }
+    }
+
     /// Waits for a serial line containing `needle`, up to `timeout`.
     pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<String> {
         let deadline = Instant::now() + timeout;

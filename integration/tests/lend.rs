@@ -33,17 +33,6 @@ fn served(d: &Value) -> u64 {
     d["reads"].as_u64().unwrap_or(0) + d["writes"].as_u64().unwrap_or(0)
 }
 
-/// The guest's next `progress=` figure (writes its kernel completed on the disk).
-fn progress(g: &mut Guest) -> Result<u64> {
-    let line = g.wait_for("progress=", Duration::from_secs(60))?;
-    let v = line
-        .rsplit("progress=")
-        .next()
-        .and_then(|s| s.split_whitespace().next())
-        .and_then(|s| s.parse().ok());
-    v.ok_or_else(|| anyhow::anyhow!("no figure in {line:?}"))
-}
-
 /// Stops the guest's writers and returns the md5 of what they wrote, once the guest said
 /// `RESULT: PASS` (every block verified).
 fn finish_guest(g: &mut Guest, acc: &AcceldRun) -> Result<String> {
@@ -118,8 +107,8 @@ fn lent_rings_under_guest_writes_through_throttle_stop_cont_and_back_to_direct()
 
     // The guest writes on, served by QEMU alone: acceld's counters stand still.
     let before = served(&acc.drive("vm1", "d0")?);
-    let p0 = progress(&mut g)?;
-    let p1 = progress(&mut g)?;
+    let p0 = g.progress()?;
+    let p1 = g.progress()?;
     let d = acc.drive("vm1", "d0")?;
     assert!(d["rings_lent"] == true, "{d}");
     assert_eq!(served(&d), before, "acceld served requests while lent: {d}");
@@ -136,8 +125,8 @@ fn lent_rings_under_guest_writes_through_throttle_stop_cont_and_back_to_direct()
     wait_drive(&acc, "lent again after cont", |d| {
         d["rings_lent"] == true && d["lends"].as_u64().unwrap_or(0) > lends
     })?;
-    let p2 = progress(&mut g)?;
-    let p3 = progress(&mut g)?;
+    let p2 = g.progress()?;
+    let p3 = g.progress()?;
     assert!(p3 > p2, "the guest wrote nothing after cont ({p2} -> {p3})");
 
     // Back to direct: the rings come back, the export goes, acceld serves again.
@@ -147,8 +136,8 @@ fn lent_rings_under_guest_writes_through_throttle_stop_cont_and_back_to_direct()
     assert_eq!(d["rings_lent"], false, "{d}");
     assert!(lend_exports(&t)?.is_empty(), "the export is gone");
     let before = served(&d);
-    progress(&mut g)?;
-    progress(&mut g)?;
+    g.progress()?;
+    g.progress()?;
     assert!(
         served(&acc.drive("vm1", "d0")?) > before,
         "acceld serves again"
@@ -189,23 +178,16 @@ fn a_lent_qcow2_drive_survives_acceld_sigkills() -> Result<()> {
     wait_drive(&acc, "lent", |d| {
         d["rings_lent"] == true && d["engine"] == "qemu"
     })?;
-    let mut at = progress(&mut g)?;
+    let mut at = g.progress()?;
     for k in 0..5 {
         acc.kill_and_start()?;
         acc.wait_attached("vm1", Duration::from_secs(60))?;
         wait_drive(&acc, "lent again after a restart", |d| {
             d["rings_lent"] == true && d["engine"] == "qemu"
         })?;
-        loop {
-            let p = progress(&mut g)?;
-            if p > at {
-                at = p;
-                break;
-            }
-            if g.output.len() > 100_000 {
-                bail!("after {} kills the guest's I/O did not go on", k + 1);
-            }
-        }
+        at = g
+            .progress_beyond(at)
+            .map_err(|e| anyhow::anyhow!("after {} kills: {e}", k + 1))?;
     }
     let md5 = finish_guest(&mut g, &acc)?;
     assert_eq!(qcow2_md5(&img, 8 * 64 * 4096)?, md5);

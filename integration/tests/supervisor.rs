@@ -396,31 +396,15 @@ fn acceld_run_sigkilled_twenty_times_under_guest_writes() -> Result<()> {
     } = writer_vm("kill")?;
     g.wait_for("READY", Duration::from_secs(120))?;
     acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(30))?;
-    let progress = |g: &mut Guest| -> Result<u64> {
-        let l = g.wait_for("progress=", Duration::from_secs(120))?;
-        Ok(l.rsplit('=')
-            .next()
-            .unwrap_or("0")
-            .trim()
-            .parse()
-            .unwrap_or(0))
-    };
-    let mut at = progress(&mut g)?;
+    let mut at = g.progress()?;
     let kills = 20;
     let mut attach = Vec::new();
     for k in 0..kills {
         acc.kill_and_start()?;
         attach.push(acc.wait_attached("vm1", Duration::from_secs(60))?);
-        loop {
-            let p = progress(&mut g)?;
-            if p > at {
-                at = p;
-                break;
-            }
-            if g.output.len() > 100_000 {
-                bail!("after {k} kills the guest's I/O did not resume");
-            }
-        }
+        at = g
+            .progress_beyond(at)
+            .map_err(|e| anyhow::anyhow!("after {} kills: {e}", k + 1))?;
     }
     let d = acc.drive("vm1", "d0")?;
     assert_eq!(d["engine"], "direct", "{d}");

@@ -8,6 +8,16 @@ use std::time::{Duration, Instant};
 
 use crate::{check_pattern, pattern, BlkFrontend, Buf, FrontendError, Used, S_OK, T_IN, T_OUT};
 
+/// Sets its flag when dropped: a thread that drives a test's load (switches, lends) stops
+/// the load when it ends, also by a panic.
+pub struct SetOnDrop(pub Arc<AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct LoadSpec {
     /// Bytes per request (a multiple of 512).

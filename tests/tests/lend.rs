@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use accel_tests::harness::{Qsd, QsdOptions, ServerOptions, TestServer};
-use accel_tests::load::{fill_image, run_load, LoadSpec};
+use accel_tests::load::{fill_image, run_load, LoadSpec, SetOnDrop};
 use accel_tests::{BlkFrontend, FrontendOptions, S_OK, T_FLUSH, T_IN, T_OUT};
 use acceld::engine::nbd::NbdEngine;
 use acceld::engine::Engine;
@@ -125,13 +125,7 @@ fn twenty_lends_and_take_backs_under_a_verifying_qd32_load() {
     let done = Arc::new(AtomicBool::new(false));
     let (drive, export, done2) = (s.drive.clone(), su.export.clone(), done.clone());
     let lender = std::thread::spawn(move || {
-        struct Done(Arc<AtomicBool>);
-        impl Drop for Done {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::Relaxed);
-            }
-        }
-        let _done = Done(done2);
+        let _done = SetOnDrop(done2);
         let mut pauses = Vec::new();
         for _ in 0..20 {
             let r = drive.lend_rings(&export, None).expect("lend");

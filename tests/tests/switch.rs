@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use accel_tests::harness::{file_engine, ServerOptions, TestServer};
-use accel_tests::load::{fill_image, run_load, LoadReport, LoadSpec};
+use accel_tests::load::{fill_image, run_load, LoadReport, LoadSpec, SetOnDrop};
 use accel_tests::{BlkFrontend, FrontendOptions, S_OK, T_FLUSH};
 use acceld::drive::Drive;
 use acceld::engine::{Engine, IoMode};
@@ -90,13 +90,7 @@ fn switches_under_load<T: Send + 'static>(
     let done2 = done.clone();
     let switcher = std::thread::spawn(move || {
         // The load stops with the switcher, even when a switch fails.
-        struct Done(Arc<AtomicBool>);
-        impl Drop for Done {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::Relaxed);
-            }
-        }
-        let _done = Done(done2);
+        let _done = SetOnDrop(done2);
         let mut out = Vec::new();
         for i in 0..100 {
             let to = if i % 2 == 0 { b.clone() } else { a.clone() };
