@@ -182,13 +182,6 @@ impl Client {
         )
     }
 
-    /// Connects and asks GET_FEATURES, nothing more: answered only once the export took
-    /// this connection, i.e. after its previous session ended and drained.
-    pub fn probe(path: &Path, peer_uid: Option<u32>) -> Result<(), ClientError> {
-        let mut c = Self::open(path, peer_uid)?;
-        c.get_u64(GET_FEATURES).map(drop)
-    }
-
     /// The guest's memory (at most [`MAX_REGIONS`] regions).
     pub fn set_mem_table(&mut self, regions: &[Region<'_>]) -> Result<(), ClientError> {
         if regions.is_empty() || regions.len() > MAX_REGIONS {
@@ -357,6 +350,36 @@ impl Client {
         let mut b = vec![0u8; len];
         self.sock.read_exact(&mut b).map_err(io)?;
         Ok(b)
+    }
+}
+
+/// A new connection that asked GET_FEATURES: QEMU's export answers it only once it took
+/// the connection, which it does only after its previous session ended and drained.
+pub struct Probe(Client);
+
+impl Probe {
+    /// Connects and asks. The export's listen backlog is empty here (acceld is its only
+    /// client and just closed its session), so the connect does not wait.
+    pub fn start(path: &Path, peer_uid: Option<u32>) -> Result<Probe, ClientError> {
+        let mut c = Client::open(path, peer_uid)?;
+        c.send(GET_FEATURES, 0, &[], &[])?;
+        Ok(Probe(c))
+    }
+
+    /// Whether the answer came within `wait` (then it is read and checked).
+    pub fn answered(&mut self, wait: Duration) -> Result<bool, ClientError> {
+        let mut pfd = libc::pollfd {
+            fd: self.0.sock.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = wait.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: pfd is one valid pollfd for the duration of the call.
+        let r = unsafe { libc::poll(&raw mut pfd, 1, ms) };
+        if r <= 0 {
+            return Ok(false);
+        }
+        self.0.reply(GET_FEATURES, 8).map(|_| true)
     }
 }
 

@@ -346,23 +346,29 @@ impl Drive {
                 }
             }
         }
+        drop(lent.client);
         if session_ok && !idle_seen {
             // The ring does not look idle (a slow request, a request the export dropped
             // without a completion, or a guest writing its used ring itself). The export
-            // accepts its next client only once this session drained: closing it and being
-            // answered on a new connection proves nothing of it still writes the ring.
-            drop(lent.client);
-            let proved = export_drained(&lent.socket, lent.peer_uid);
+            // accepts its next client only once the closed session drained: an answer on a
+            // new connection proves nothing of it still writes the ring. That answer needs
+            // QEMU's main loop, which may be waiting for acceld (a vhost-user message), so the
+            // ring is watched meanwhile too.
+            let t = Instant::now();
+            let proof = drain_proof(&lent.socket, lent.peer_uid, || {
+                lent.rings.iter().all(|r| {
+                    let (used, next) = ring_positions(&r.mem, r.used, r.size);
+                    used == next
+                })
+            });
             bases = lent
                 .rings
                 .iter()
                 .map(|r| ring_positions(&r.mem, r.used, r.size).1)
                 .collect();
             if let Some(n) = self.stats.log.vhost.admit() {
-                warn!(drive = %self.cfg.name, drained = proved, "the ring did not look idle within {IDLE_TIMEOUT:?}; resumed after the export's session ended{}", crate::util::suppressed(n));
+                warn!(drive = %self.cfg.name, proof, waited_ms = t.elapsed().as_millis() as u64, "the ring did not look idle within {IDLE_TIMEOUT:?}; resumed after the export's session ended{}", crate::util::suppressed(n));
             }
-        } else {
-            drop(lent.client);
         }
         for (r, b) in lent.rings.iter().zip(&bases) {
             r.ctl.request_reclaim(*b);
@@ -387,18 +393,29 @@ impl Drive {
     }
 }
 
-/// Waits until the export on `socket` answers a new session: it accepts one only after the
-/// previous one drained (QEMU's vhost-user server waits for its requests in flight before it
-/// listens again). False when it did not within [`DRAIN_PROOF_TIMEOUT`].
-fn export_drained(socket: &Path, peer_uid: Option<u32>) -> bool {
+/// Waits (up to [`DRAIN_PROOF_TIMEOUT`]) until the export on `socket` answers a new session
+/// (it takes one only after the previous one drained: QEMU's vhost-user server waits for its
+/// requests in flight before it listens again) or `idle` holds. Says which, or "timeout".
+fn drain_proof(socket: &Path, peer_uid: Option<u32>, idle: impl Fn() -> bool) -> &'static str {
     let deadline = Instant::now() + DRAIN_PROOF_TIMEOUT;
+    let mut probe = client::Probe::start(socket, peer_uid).ok();
     while Instant::now() < deadline {
-        match Client::probe(socket, peer_uid) {
-            Ok(()) => return true,
-            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        if idle() {
+            return "idle";
+        }
+        match probe
+            .as_mut()
+            .map(|p| p.answered(Duration::from_millis(10)))
+        {
+            Some(Ok(true)) => return "new session answered",
+            Some(Ok(false)) => {}
+            Some(Err(_)) | None => {
+                probe = None;
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
     }
-    false
+    "timeout"
 }
 
 fn borrow(e: &EventFd) -> std::os::fd::BorrowedFd<'_> {
