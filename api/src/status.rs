@@ -238,7 +238,7 @@ impl Status {
     /// Prometheus text exposition of every drive's counters.
     pub fn prometheus(&self) -> String {
         type Get = fn(&DriveStatus) -> f64;
-        let metrics: [(&str, &str, Get); 13] = [
+        let metrics: [(&str, &str, Get); 15] = [
             ("accel_drive_reads_total", "counter", |d| d.reads as f64),
             ("accel_drive_writes_total", "counter", |d| d.writes as f64),
             ("accel_drive_read_bytes_total", "counter", |d| {
@@ -268,6 +268,12 @@ impl Status {
             ("accel_drive_nospace_total", "counter", |d| {
                 d.nospace_events as f64
             }),
+            // 1 while QEMU's vhost-user-blk export serves the rings (`lend=on`): the request
+            // counters above stand still meanwhile.
+            ("accel_drive_rings_lent", "gauge", |d| {
+                f64::from(u8::from(d.rings_lent))
+            }),
+            ("accel_drive_lends_total", "counter", |d| d.lends as f64),
         ];
         let mut out = String::new();
         for (name, typ, get) in metrics {
@@ -383,5 +389,7 @@ mod tests {
         assert!(
             prom.contains("accel_drive_broken_queues{vm=\"v\",drive=\"d0\",engine=\"qemu\"} 1\n")
         );
+        assert!(prom.contains("accel_drive_rings_lent{vm=\"v\",drive=\"d0\",engine=\"qemu\"} 1\n"));
+        assert!(prom.contains("accel_drive_lends_total{vm=\"v\",drive=\"d0\",engine=\"qemu\"} 3\n"));
     }
 }
