@@ -73,8 +73,9 @@ pub(crate) struct CtlState {
     pub(crate) loan: Option<Result<RingLoan, String>>,
     /// The worker is parked: its ring is lent.
     pub(crate) lent: bool,
-    /// Take the ring back at this next avail index.
-    pub(crate) reclaim: Option<u16>,
+    /// Take the ring back: at this next avail index (the export's), or (None) where the
+    /// queue stood, for a ring that never reached the export.
+    pub(crate) reclaim: Option<Option<u16>>,
 }
 
 impl QueueCtl {
@@ -189,13 +190,12 @@ impl QueueCtl {
         self.wait_for(Some(deadline), |st| st.old_drained || st.exited)
     }
 
-    /// Asks a paused, drained worker to park for a lend and describe its ring.
-    pub(crate) fn request_lend(&self) {
+    /// Asks the worker to park for a lend and describe its ring once it is paused with
+    /// nothing in flight: set before the pause, so that one wake-up does both.
+    pub(crate) fn ask_lend(&self) {
         let mut st = lock(&self.st);
         st.lend = true;
         st.loan = None;
-        drop(st);
-        self.poke();
     }
 
     /// The parked worker's ring, or None when it could not park by `deadline` (it is then
@@ -214,8 +214,9 @@ impl QueueCtl {
         }
     }
 
-    /// Gives a parked worker its ring back at `next_avail` (it stays paused).
-    pub(crate) fn request_reclaim(&self, next_avail: u16) {
+    /// Gives a parked worker its ring back at `next_avail` (None: where it stood), and
+    /// withdraws a lend it was asked for; it stays paused.
+    pub(crate) fn request_reclaim(&self, next_avail: Option<u16>) {
         let mut st = lock(&self.st);
         st.lend = false;
         st.reclaim = Some(next_avail);

@@ -372,6 +372,7 @@ impl Worker {
         let mut events = vec![EpollEvent::default(); 8];
         loop {
             if (self.paused || self.stopping) && self.in_flight == 0 && !self.acked {
+                self.maybe_park();
                 self.acked = true;
                 let mut st = lock(&self.ctl.st);
                 st.drained = true;
@@ -621,25 +622,36 @@ impl Worker {
     }
 
     fn control(&mut self) {
+        self.control_requests();
+        self.maybe_park();
+    }
+
+    /// A lend asked (with the pause that precedes it) and the queue paused with nothing in
+    /// flight: park now, in the same wake-up as the pause's acknowledgement.
+    fn maybe_park(&mut self) {
+        let ready = self.paused
+            && !self.stopping
+            && self.in_flight == 0
+            && !self.lent
+            && self.old.is_none();
+        if !ready || !std::mem::take(&mut lock(&self.ctl.st).lend) {
+            return;
+        }
+        let loan = self.park();
+        let mut st = lock(&self.ctl.st);
+        st.lent = loan.is_ok();
+        st.loan = Some(loan);
+        self.ctl.cv.notify_all();
+    }
+
+    fn control_requests(&mut self) {
         self.ctl.pending.store(false, Ordering::Relaxed);
         let mut st = lock(&self.ctl.st);
         if st.stop {
             self.stopping = true;
         }
-        if std::mem::take(&mut st.lend) {
-            let ready = self.paused && self.in_flight == 0 && !self.lent && self.old.is_none();
-            drop(st);
-            let loan = if ready {
-                self.park()
-            } else {
-                Err("the queue is not paused and drained".to_string())
-            };
-            st = lock(&self.ctl.st);
-            st.lent = loan.is_ok();
-            st.loan = Some(loan);
-            self.ctl.cv.notify_all();
-        }
         if let Some(base) = st.reclaim.take() {
+            st.lend = false;
             drop(st);
             if self.lent {
                 self.unpark(base);
@@ -727,21 +739,24 @@ impl Worker {
         })
     }
 
-    /// Takes the ring back from a lend at `next_avail` (the export's base): the used index
-    /// is read from the ring, the kick eventfd is watched again, and the driver is
-    /// interrupted once (the export may have completed requests without an interrupt the
-    /// driver still waits for; a spurious one is harmless).
-    fn unpark(&mut self, next_avail: u16) {
-        let mem = self.memory();
-        self.queue.set_next_avail(next_avail);
-        match self.queue.used_idx(&*mem, Ordering::Acquire) {
-            Ok(u) => {
-                self.queue.set_next_used(u.0);
-                if let Some(iq) = &self.inflight {
-                    iq.resync(u.0);
+    /// Takes the ring back from a lend at `next_avail` (the export's base; None: the ring
+    /// never reached the export, the queue's own positions stand): the used index is read
+    /// from the ring, the kick eventfd is watched again, and the driver is interrupted once
+    /// (the export may have completed requests without an interrupt the driver still waits
+    /// for; a spurious one is harmless).
+    fn unpark(&mut self, next_avail: Option<u16>) {
+        if let Some(next_avail) = next_avail {
+            let mem = self.memory();
+            self.queue.set_next_avail(next_avail);
+            match self.queue.used_idx(&*mem, Ordering::Acquire) {
+                Ok(u) => {
+                    self.queue.set_next_used(u.0);
+                    if let Some(iq) = &self.inflight {
+                        iq.resync(u.0);
+                    }
                 }
+                Err(e) => self.mark_broken(&RingError::Access(e.to_string())),
             }
-            Err(e) => self.mark_broken(&RingError::Access(e.to_string())),
         }
         if let Err(e) = self.epoll.ctl(
             ControlOperation::Add,

@@ -176,13 +176,20 @@ impl Drive {
             c.set_mem_table(&regions).map_err(LendError::Export)?;
             c
         };
+        // Each worker parks as soon as the pause finds it with nothing in flight.
+        for w in &workers {
+            w.ask_lend();
+        }
         let t0 = Instant::now();
-        let paused = self.pause_now().map_err(LendError::Pause)?;
+        let paused = match self.pause_now() {
+            Ok(p) => p,
+            Err(e) => {
+                self.withdraw_lend(&workers);
+                return Err(LendError::Pause(e));
+            }
+        };
         let drained = t0.elapsed();
         let workers: Vec<Arc<QueueCtl>> = lock(&self.running).clone();
-        for w in &workers {
-            w.request_lend();
-        }
         let deadline = Instant::now() + PARK_TIMEOUT;
         let mut loans = Vec::with_capacity(workers.len());
         let mut failed = None;
@@ -203,12 +210,7 @@ impl Drive {
             // Nothing reached the export's rings: each worker takes its ring back where it
             // was.
             drop(client);
-            for (w, l) in &loans {
-                w.request_reclaim(l.next_avail);
-            }
-            for w in &workers {
-                w.wait_reclaimed(Instant::now() + PARK_TIMEOUT);
-            }
+            self.withdraw_lend(&workers);
             drop(paused);
             return Err(e);
         }
@@ -270,6 +272,19 @@ impl Drive {
             queues: loans.len(),
             pause,
         })
+    }
+
+    /// Undoes a lend that gave the export nothing: every worker withdraws the request and,
+    /// if it parked, takes its ring back where it stood.
+    fn withdraw_lend(&self, workers: &[Arc<QueueCtl>]) {
+        for w in workers {
+            w.request_reclaim(None);
+        }
+        for w in workers {
+            if !w.wait_reclaimed(Instant::now() + PARK_TIMEOUT) {
+                warn!(drive = %self.cfg.name, queue = w.index(), "queue did not withdraw from a lend within {PARK_TIMEOUT:?}");
+            }
+        }
     }
 
     /// Takes lent rings back (see the module doc), then the queues resume on the drive's
@@ -371,7 +386,7 @@ impl Drive {
             }
         }
         for (r, b) in lent.rings.iter().zip(&bases) {
-            r.ctl.request_reclaim(*b);
+            r.ctl.request_reclaim(Some(*b));
         }
         for r in &lent.rings {
             if !r.ctl.wait_reclaimed(Instant::now() + PARK_TIMEOUT) {
