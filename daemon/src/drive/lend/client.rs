@@ -264,23 +264,30 @@ impl Client {
         Ok(())
     }
 
-    /// Stops ring `index` and returns the export's next avail index. QEMU's export answers
-    /// at once, whatever it still has in flight: call it only once the ring is idle.
-    pub fn get_vring_base(&mut self, index: u32) -> Result<u16, ClientError> {
-        self.send(GET_VRING_BASE, 0, &state(index, 0), &[])?;
-        let b = self.reply(GET_VRING_BASE, 8)?;
-        let got = u32::from_le_bytes(b[0..4].try_into().expect("8 bytes"));
-        if got != index {
-            return Err(ClientError::BadReply {
-                req: GET_VRING_BASE,
-                what: format!("ring {got}, asked for {index}"),
-            });
+    /// Stops rings `indices` and returns the export's next avail index of each (all asked
+    /// before the first answer is read). QEMU's export answers at once, whatever it still has
+    /// in flight: call it only once the rings are idle.
+    pub fn get_vring_bases(&mut self, indices: &[u32]) -> Result<Vec<u16>, ClientError> {
+        for &i in indices {
+            self.send(GET_VRING_BASE, 0, &state(i, 0), &[])?;
         }
-        let num = u32::from_le_bytes(b[4..8].try_into().expect("8 bytes"));
-        u16::try_from(num).map_err(|_| ClientError::BadReply {
-            req: GET_VRING_BASE,
-            what: format!("base {num}"),
-        })
+        let mut out = Vec::with_capacity(indices.len());
+        for &index in indices {
+            let b = self.reply(GET_VRING_BASE, 8)?;
+            let got = u32::from_le_bytes(b[0..4].try_into().expect("8 bytes"));
+            if got != index {
+                return Err(ClientError::BadReply {
+                    req: GET_VRING_BASE,
+                    what: format!("ring {got}, asked for {index}"),
+                });
+            }
+            let num = u32::from_le_bytes(b[4..8].try_into().expect("8 bytes"));
+            out.push(u16::try_from(num).map_err(|_| ClientError::BadReply {
+                req: GET_VRING_BASE,
+                what: format!("base {num}"),
+            })?);
+        }
+        Ok(out)
     }
 
     fn get_u64(&mut self, req: u32) -> Result<u64, ClientError> {

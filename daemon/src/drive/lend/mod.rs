@@ -344,19 +344,19 @@ impl Drive {
         //    idle check relied on; if it does not, `avail_event` stands (it is where the
         //    export's pops stopped, in the guest's own ring).
         if session_ok && idle_seen {
-            for (r, b) in lent.rings.iter().zip(&bases) {
-                match lent.client.get_vring_base(r.index) {
-                    Ok(base) if base == *b => {}
-                    Ok(base) => {
-                        if let Some(n) = self.stats.log.vhost.admit() {
-                            warn!(drive = %self.cfg.name, queue = r.index, base, avail_event = *b, "the export's base differs from its avail_event; resuming at avail_event{}", crate::util::suppressed(n));
+            match lent.client.get_vring_bases(&indices) {
+                Ok(got) => {
+                    for ((r, b), base) in lent.rings.iter().zip(&bases).zip(got) {
+                        if base != *b {
+                            if let Some(n) = self.stats.log.vhost.admit() {
+                                warn!(drive = %self.cfg.name, queue = r.index, base, avail_event = *b, "the export's base differs from its avail_event; resuming at avail_event{}", crate::util::suppressed(n));
+                            }
                         }
                     }
-                    Err(e) => {
-                        if let Some(n) = self.stats.log.vhost.admit() {
-                            warn!(drive = %self.cfg.name, queue = r.index, "GET_VRING_BASE from the export failed: {}{}", crate::util::error_chain(&e), crate::util::suppressed(n));
-                        }
-                        break;
+                }
+                Err(e) => {
+                    if let Some(n) = self.stats.log.vhost.admit() {
+                        warn!(drive = %self.cfg.name, "GET_VRING_BASE from the export failed: {}{}", crate::util::error_chain(&e), crate::util::suppressed(n));
                     }
                 }
             }
@@ -385,16 +385,18 @@ impl Drive {
                 warn!(drive = %self.cfg.name, proof, waited_ms = t.elapsed().as_millis() as u64, "the ring did not look idle within {IDLE_TIMEOUT:?}; resumed after the export's session ended{}", crate::util::suppressed(n));
             }
         }
+        // Each worker takes its ring back and resumes in one wake-up (the take-back comes
+        // first in its control pass).
         for (r, b) in lent.rings.iter().zip(&bases) {
             r.ctl.request_reclaim(Some(*b));
         }
+        let lent_queues: Vec<Arc<QueueCtl>> = lent.rings.iter().map(|r| r.ctl.clone()).collect();
+        self.resume_after_lend(&lent_queues);
         for r in &lent.rings {
             if !r.ctl.wait_reclaimed(Instant::now() + PARK_TIMEOUT) {
                 warn!(drive = %self.cfg.name, queue = r.index, "queue did not take its ring back within {PARK_TIMEOUT:?}");
             }
         }
-        let lent_queues: Vec<Arc<QueueCtl>> = lent.rings.iter().map(|r| r.ctl.clone()).collect();
-        self.resume_after_lend(&lent_queues);
         self.queues_changed();
         let pause = t0.elapsed();
         super::stats::record_pause(&self.stats.take_back_pauses_us, pause.as_micros() as u64);
