@@ -140,6 +140,9 @@ enum LibvirtCmd {
         /// acceld binary the hook starts when acceld is not running (hosts without systemd).
         #[arg(long)]
         start_acceld: Option<PathBuf>,
+        /// Register every converted disk with `lend=on` (docs/qemu-engine.md).
+        #[arg(long)]
+        lend: bool,
     },
     /// Remove what `install` installed.
     Uninstall {
@@ -290,6 +293,7 @@ fn libvirt(cli: &Cli, cmd: &LibvirtCmd) -> Result<(), Fail> {
             conf,
             qemu,
             start_acceld,
+            lend,
         } => {
             let me = std::env::current_exe()
                 .map_err(|e| Fail::Remote(ErrorKind::Failed, format!("where is accelctl: {e}")))?;
@@ -314,6 +318,7 @@ fn libvirt(cli: &Cli, cmd: &LibvirtCmd) -> Result<(), Fail> {
                 qemu: qemu.clone(),
                 iothread: "accel-io".into(),
                 acceld: start_acceld.clone(),
+                lend: *lend,
             };
             if let Some(d) = conf.parent() {
                 std::fs::create_dir_all(d).map_err(|e| io("create", d, e))?;

@@ -24,6 +24,7 @@ fn cfg() -> WrapConfig {
     WrapConfig {
         run_dir: "/run/accel".into(),
         iothread: "accel-io".into(),
+        lend: false,
     }
 }
 
@@ -190,6 +191,38 @@ fn a_qcow2_disk_is_served_through_the_qemu_engine() {
     assert_eq!(p.drives[0].format, "qcow2");
     assert_eq!(p.drives[0].node.as_deref(), Some("libvirt-1-format"));
     assert_eq!(p.drives[0].image, PathBuf::from("/img/d.qcow2"));
+    assert!(
+        !p.drives[0].lend,
+        "lend is off unless the wrapper's config says so"
+    );
+    // `lend = true` in the wrapper's config: every converted disk lends its rings.
+    let lend = WrapConfig {
+        lend: true,
+        ..cfg()
+    };
+    let Outcome::Wrap(p) = plan(&a, &lend) else {
+        panic!("not wrapped")
+    };
+    assert!(p.drives[0].lend);
+    assert!(
+        p.notes.iter().any(|n| n.contains("lend=on")),
+        "{:?}",
+        p.notes
+    );
+}
+
+#[test]
+fn the_wrapper_config_round_trips_lend() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("accel-qemu.conf");
+    for lend in [false, true] {
+        let c = accelctl::libvirt::WrapperConf {
+            lend,
+            ..Default::default()
+        };
+        std::fs::write(&path, c.render()).unwrap();
+        assert_eq!(accelctl::libvirt::WrapperConf::load(&path).unwrap(), c);
+    }
 }
 
 #[test]

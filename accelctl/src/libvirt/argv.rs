@@ -125,6 +125,8 @@ pub struct WrapConfig {
     pub run_dir: PathBuf,
     /// acceld's iothread for the NBD exports (acceld's `iothread` config).
     pub iothread: String,
+    /// Register every drive with `lend=on`.
+    pub lend: bool,
 }
 
 /// libvirt's monitor, as given on the command line.
@@ -590,12 +592,14 @@ pub fn plan(args: &[String], cfg: &WrapConfig) -> Outcome {
                         Ok(_) if !shared => notes.push(format!(
                             "{id}: stays a virtio-blk-pci device: guest memory is a file backend without share=on"
                         )),
-                        Ok((spec, dev)) => {
+                        Ok((mut spec, dev)) => {
+                            spec.lend = cfg.lend;
                             notes.push(format!(
-                                "{id}: virtio-blk-pci on node {} -> vhost-user-blk-pci served by acceld ({} {})",
+                                "{id}: virtio-blk-pci on node {} -> vhost-user-blk-pci served by acceld ({} {}{})",
                                 spec.node_name(),
                                 spec.format,
-                                spec.image.display()
+                                spec.image.display(),
+                                if spec.lend { ", lend=on" } else { "" }
                             ));
                             drives.push(spec);
                             new = Some(Value::Object(dev));

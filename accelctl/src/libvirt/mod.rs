@@ -33,6 +33,11 @@ pub struct WrapperConf {
     /// systemd); none: the hook refuses to start the VM instead.
     #[serde(default)]
     pub acceld: Option<PathBuf>,
+    /// Every converted disk is registered with `lend=on`: on the qemu engine its rings are
+    /// lent to QEMU's own vhost-user-blk export (docs/qemu-engine.md says what the guest then
+    /// sees differently).
+    #[serde(default)]
+    pub lend: bool,
 }
 
 fn default_run_dir() -> PathBuf {
@@ -52,6 +57,7 @@ impl Default for WrapperConf {
             qemu: default_qemu(),
             iothread: default_iothread(),
             acceld: None,
+            lend: false,
         }
     }
 }
@@ -107,6 +113,9 @@ impl WrapperConf {
         if let Some(a) = &self.acceld {
             s += &format!("acceld = {:?}\n", a.display().to_string());
         }
+        if self.lend {
+            s += "lend = true\n";
+        }
         s
     }
 
@@ -138,6 +147,7 @@ impl WrapperConf {
         argv::WrapConfig {
             run_dir: self.run_dir.clone(),
             iothread: self.iothread.clone(),
+            lend: self.lend,
         }
     }
 }
