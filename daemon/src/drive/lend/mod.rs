@@ -24,7 +24,11 @@
 //!
 //! Whoever changes who owns the rings holds the drive's ring gate: the vhost-user handler for
 //! every message of QEMU's front-end (each takes the rings back first: memory tables, ring
-//! stops, dirty logging and the rest all find acceld serving), a lend, and a take-back.
+//! stops, dirty logging and the rest all find acceld serving), a lend, and a take-back. A
+//! lend connects to the export before it takes the gate (QEMU accepts in its main loop, which
+//! may be waiting for a message's answer, which waits for the gate), and calls itself off if
+//! the queues or the memory changed meanwhile. Under the gate nothing waits for QEMU's main
+//! loop: the export answers from its iothread.
 //!
 //! What the guest can tell while lent (QEMU's export, not acceld, answers): GET_ID returns
 //! `vhost_user_blk` instead of the drive's serial; a failed request is reported to the guest
@@ -89,6 +93,9 @@ pub enum LendError {
     Export(#[source] ClientError),
 }
 
+/// What a lend reads of the drive: the guest's features, the running queues, the memory.
+type LendState = (u64, Vec<Arc<QueueCtl>>, Arc<Mem>);
+
 /// A lend in place.
 pub(crate) struct Lent {
     client: Client,
@@ -136,34 +143,39 @@ impl Drive {
         socket: &Path,
         peer_uid: Option<u32>,
     ) -> Result<LendReport, LendError> {
-        let _gate = lock(&self.ring_gate);
         let not = |why: &str| LendError::NotLendable {
             drive: self.cfg.name.clone(),
             why: why.to_string(),
         };
-        if lock(&self.lent).is_some() {
-            return Err(not("its rings are lent already"));
-        }
-        let features = self.acked_features.load(Ordering::Relaxed);
-        if features & F_EVENT_IDX == 0 {
-            return Err(not("the driver did not negotiate EVENT_IDX"));
-        }
-        if features & F_LOG_ALL != 0 {
-            return Err(not("the device logs dirty memory (a migration)"));
-        }
-        if self.stats.held_requests.load(Ordering::Relaxed) > 0 {
-            return Err(not("it holds failed requests"));
-        }
-        if self.engine().holds() {
-            return Err(not("it is held"));
-        }
-        // The queues and the memory map change only through vhost-user messages, which wait
-        // for the gate: what is read here holds until the rings are lent.
-        let workers: Vec<Arc<QueueCtl>> = lock(&self.running).clone();
-        let Some(first) = workers.first() else {
-            return Err(not("no queue runs"));
+        // What the lend needs, read without the gate: the session with the export is made
+        // before it is taken. QEMU accepts the connection in its main loop, which may be
+        // waiting for acceld's answer to a vhost-user message, and that answer waits for the
+        // gate. Everything is read again under the gate, and a change calls the lend off.
+        let snapshot = || -> Result<LendState, LendError> {
+            if lock(&self.lent).is_some() {
+                return Err(not("its rings are lent already"));
+            }
+            let features = self.acked_features.load(Ordering::Relaxed);
+            if features & F_EVENT_IDX == 0 {
+                return Err(not("the driver did not negotiate EVENT_IDX"));
+            }
+            if features & F_LOG_ALL != 0 {
+                return Err(not("the device logs dirty memory (a migration)"));
+            }
+            if self.stats.held_requests.load(Ordering::Relaxed) > 0 {
+                return Err(not("it holds failed requests"));
+            }
+            if self.engine().holds() {
+                return Err(not("it is held"));
+            }
+            let workers: Vec<Arc<QueueCtl>> = lock(&self.running).clone();
+            let Some(first) = workers.first() else {
+                return Err(not("no queue runs"));
+            };
+            let mem = lock(&first.mem).clone();
+            Ok((features, workers, mem))
         };
-        let mem = lock(&first.mem).clone();
+        let (features, workers, mem) = snapshot()?;
         let queues = workers
             .iter()
             .map(|w| w.index() as u32 + 1)
@@ -176,6 +188,20 @@ impl Drive {
             c.set_mem_table(&regions).map_err(LendError::Export)?;
             c
         };
+        // The queues and the memory map change only through vhost-user messages, which wait
+        // for the gate: what is read under it holds until the rings are lent.
+        let _gate = lock(&self.ring_gate);
+        let (features_now, workers_now, mem_now) = snapshot()?;
+        let same_queues = workers_now.len() == workers.len()
+            && workers_now
+                .iter()
+                .zip(&workers)
+                .all(|(a, b)| Arc::ptr_eq(a, b));
+        if features_now != features || !same_queues || !Arc::ptr_eq(&mem_now, &mem) {
+            return Err(not(
+                "its queues changed while the export's session was set up",
+            ));
+        }
         // Each worker parks as soon as the pause finds it with nothing in flight.
         for w in &workers {
             w.ask_lend();
