@@ -8,7 +8,7 @@
 //! read and write on the socket is bounded by [`IO_TIMEOUT`]).
 
 use std::io::{self, Read};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
@@ -387,12 +387,6 @@ impl Probe {
             return Ok(false);
         }
         self.0.reply(GET_FEATURES, 8).map(|_| true)
-    }
-}
-
-impl AsFd for Client {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.sock.as_fd()
     }
 }
 
