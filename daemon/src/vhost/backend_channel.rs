@@ -22,6 +22,8 @@ const CONFIG_CHANGE_MSG: u32 = 2;
 const VERSION_1: u32 = 0x1;
 /// Most descriptors one message carries (the spec's limit).
 const MAX_FDS: usize = 8;
+/// The peek's control buffer in u64 words: a cmsghdr (16 bytes) and MAX_FDS descriptors.
+const CBUF_WORDS: usize = (16 + MAX_FDS * 4).div_ceil(8);
 
 /// If the next message on `fd` is `SET_BACKEND_REQ_FD`, a duplicate of the channel it
 /// carries. Never blocks and never consumes a byte.
@@ -43,8 +45,9 @@ pub(super) fn peek(fd: RawFd) -> Option<UnixStream> {
         iov_base: hdr.as_mut_ptr().cast(),
         iov_len: hdr.len(),
     };
-    // Room for MAX_FDS descriptors, aligned for cmsghdr.
-    let mut cbuf = [0u64; 16];
+    // Room for MAX_FDS descriptors (and no more: the kernel installs only what fits and
+    // flags the rest MSG_CTRUNC), aligned for cmsghdr.
+    let mut cbuf = [0u64; CBUF_WORDS];
     // SAFETY: msghdr is plain old data; all-zero is a valid empty value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &raw mut iov;
@@ -52,13 +55,43 @@ pub(super) fn peek(fd: RawFd) -> Option<UnixStream> {
     msg.msg_control = cbuf.as_mut_ptr().cast();
     msg.msg_controllen = std::mem::size_of_val(&cbuf);
     // SAFETY: msg points at live buffers (iov, cbuf) of the lengths given.
-    let n = unsafe { libc::recvmsg(fd, &raw mut msg, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    let n = unsafe {
+        libc::recvmsg(
+            fd,
+            &raw mut msg,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
+        )
+    };
+    // Every descriptor the peek installed is closed below, whatever happens to the message.
+    let fds = installed_fds(&msg);
     if n <= 0 {
+        close_all(fds);
         return None;
+    }
+    let mut fds = fds.into_iter();
+    let first = fds.next()?;
+    close_all(fds);
+    // SAFETY: first was installed in this process by the peek; the stream now owns it.
+    Some(unsafe { UnixStream::from_raw_fd(first) })
+}
+
+/// Closes descriptors the peek installed that nothing owns.
+fn close_all(fds: impl IntoIterator<Item = RawFd>) {
+    for fd in fds {
+        // SAFETY: fd was installed in this process by the peek and is owned by nobody else.
+        unsafe { libc::close(fd) };
+    }
+}
+
+/// The descriptors of every `SCM_RIGHTS` message in `msg`'s control data (all of them, so
+/// that none is left open).
+fn installed_fds(msg: &libc::msghdr) -> Vec<RawFd> {
+    if msg.msg_control.is_null() || msg.msg_controllen == 0 {
+        return Vec::new();
     }
     let mut fds = Vec::new();
     // SAFETY: msg was filled by recvmsg; CMSG_FIRSTHDR reads only its control fields.
-    let mut c = unsafe { libc::CMSG_FIRSTHDR(&raw const msg) };
+    let mut c = unsafe { libc::CMSG_FIRSTHDR(msg) };
     while !c.is_null() {
         // SAFETY: c points at a cmsghdr inside cbuf (CMSG_FIRSTHDR/CMSG_NXTHDR bound it).
         let h = unsafe { &*c };
@@ -66,9 +99,12 @@ pub(super) fn peek(fd: RawFd) -> Option<UnixStream> {
             // SAFETY: computing the header length of a zero-byte payload has no preconditions.
             let base = unsafe { libc::CMSG_LEN(0) } as usize;
             let count = (h.cmsg_len as usize).saturating_sub(base) / std::mem::size_of::<RawFd>();
+            // Never past the control data the kernel filled.
+            let room = (msg.msg_controllen as usize).saturating_sub(base) / std::mem::size_of::<RawFd>();
+            let count = count.min(room);
             // SAFETY: c is a valid cmsghdr; CMSG_DATA points at its payload.
             let data = unsafe { libc::CMSG_DATA(c) }.cast::<RawFd>();
-            for i in 0..count.min(MAX_FDS) {
+            for i in 0..count {
                 // Pointer arithmetic only: i < count keeps it inside this cmsg's payload.
                 let p = data.wrapping_add(i);
                 // SAFETY: p points at a descriptor inside the payload (above); unaligned,
@@ -77,16 +113,9 @@ pub(super) fn peek(fd: RawFd) -> Option<UnixStream> {
             }
         }
         // SAFETY: msg and c are valid (above); CMSG_NXTHDR returns null past the end.
-        c = unsafe { libc::CMSG_NXTHDR(&raw const msg, c) };
+        c = unsafe { libc::CMSG_NXTHDR(msg, c) };
     }
-    let mut fds = fds.into_iter();
-    let first = fds.next()?;
-    for extra in fds {
-        // SAFETY: extra was installed in this process by the peek and is owned by nobody else.
-        unsafe { libc::close(extra) };
-    }
-    // SAFETY: first was installed in this process by the peek; the stream now owns it.
-    Some(unsafe { UnixStream::from_raw_fd(first) })
+    fds
 }
 
 /// Tells the frontend that the drive's config space changed (QEMU's vhost-user-blk then reads
