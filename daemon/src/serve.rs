@@ -221,7 +221,7 @@ impl ServeArgs {
 /// Runs `acceld serve` until SIGTERM or SIGINT, then drains and exits.
 pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
     // A live server on the socket is the clearer error; check it before the image lock.
-    if args.socket.exists() && std::os::unix::net::UnixStream::connect(&args.socket).is_ok() {
+    if crate::util::socket_listening(&args.socket) {
         return Err(ServeError::SocketInUse(args.socket.clone()).into());
     }
     let drive = args.build()?;

@@ -112,3 +112,95 @@ fn a_flood_of_descriptors_leaves_none_open() {
     }
     assert_eq!(after, before, "descriptors acceld received were left open");
 }
+
+/// A listener that never accepts, with its backlog full: what QEMU's user can plant at a
+/// drive's socket path in the VM's directory (acceld binds there at registration and at
+/// every restart). Before the fix `Server::bind` tried a blocking `connect` and hung there,
+/// during restore before the control socket served anyone.
+fn plant_full_listener(path: &std::path::Path) -> (std::os::fd::OwnedFd, Vec<RawFd>) {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: socket() has no memory preconditions; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0);
+    // SAFETY: fd is new and owned here.
+    let listener = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: sockaddr_un is plain old data.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
+        *d = *s as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+    // SAFETY: addr is valid for the call; fd is a socket.
+    assert_eq!(unsafe { libc::bind(fd, (&raw const addr).cast(), len) }, 0);
+    // SAFETY: fd is a bound socket.
+    assert_eq!(unsafe { libc::listen(fd, 0) }, 0);
+    // Fill the backlog with non-blocking connections until the next one would wait.
+    let mut held = Vec::new();
+    loop {
+        // SAFETY: as above.
+        let c = unsafe {
+            libc::socket(
+                libc::AF_UNIX,
+                libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                0,
+            )
+        };
+        assert!(c >= 0);
+        // SAFETY: addr is valid for the call.
+        let r = unsafe { libc::connect(c, (&raw const addr).cast(), len) };
+        if r != 0 {
+            // SAFETY: c is ours.
+            unsafe { libc::close(c) };
+            break;
+        }
+        held.push(c);
+        assert!(held.len() < 64, "the backlog never filled");
+    }
+    (listener, held)
+}
+
+#[test]
+fn a_planted_socket_that_never_accepts_does_not_hold_bind() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("disk0.sock");
+    let (_listener, held) = plant_full_listener(&sock);
+    let image = dir.path().join("disk.raw");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let o = ServerOptions::default();
+    let engine = accel_tests::harness::file_engine(&image, &o);
+    let drive = acceld::drive::Drive::new(
+        acceld::drive::DriveConfig {
+            name: "planted".into(),
+            serial: String::new(),
+            capacity_bytes: 1 << 20,
+            logical_block_size: 512,
+            read_only: false,
+            num_queues: 1,
+            queue_size: 256,
+            discard: acceld::drive::DiscardMode::Unmap,
+            poll_us: 0,
+            werror: o.werror,
+            rerror: o.rerror,
+        },
+        engine,
+    );
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = acceld::vhost::Server::bind(&sock, drive).map(|_| ());
+        let _ = tx.send(r.map_err(|e| e.to_string()));
+    });
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("Server::bind hung on a planted socket");
+    let e = r.expect_err("bound over a live listener");
+    assert!(e.contains("in use"), "{e}");
+    for c in held {
+        // SAFETY: the test's own descriptors.
+        unsafe { libc::close(c) };
+    }
+}

@@ -111,7 +111,7 @@ async fn run_async(cfg: Config) -> Result<(), RunError> {
         let _ = std::fs::set_permissions(&cfg.run_dir, std::fs::Permissions::from_mode(0o711));
     }
     let ctl_path = cfg.control_socket();
-    if std::os::unix::net::UnixStream::connect(&ctl_path).is_ok() {
+    if crate::util::socket_listening(&ctl_path) {
         return Err(RunError::AlreadyRunning(ctl_path));
     }
     let _ = std::fs::remove_file(&ctl_path);

@@ -792,8 +792,10 @@ impl Server {
     /// Binds the socket. An existing socket that a live server answers on is an error; a
     /// stale one (left by a crash) is replaced.
     pub fn bind(path: &Path, drive: Arc<Drive>) -> Result<Self, ServeError> {
-        if path.exists() {
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        // Never a blocking connect: the socket's directory may be the VM's user's, who
+        // can plant a listener that never accepts.
+        if path.symlink_metadata().is_ok() {
+            if crate::util::socket_listening(path) {
                 return Err(ServeError::SocketInUse(path.to_path_buf()));
             }
             let _ = std::fs::remove_file(path);
