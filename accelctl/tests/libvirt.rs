@@ -441,13 +441,14 @@ fn the_hook_reads_qemus_user_and_the_domains_images() {
   <devices>
     <emulator>/usr/bin/accel-qemu</emulator>
     <disk type='file' device='disk'>
+      <driver name='qemu' type='qcow2'/>
       <source file='/var/lib/img/top.qcow2' index='2'>
         <seclabel model='dac' relabel='no'/>
       </source>
       <backingStore type='file' index='1'><format type='raw'/><source file='/var/lib/img/base.raw'/></backingStore>
       <target dev='vda' bus='virtio'/>
     </disk>
-    <disk type='block' device='cdrom'><source dev='/dev/sr0'/><target dev='sda'/></disk>
+    <disk type='block' device='cdrom'><driver name='qemu' type='raw'/><source dev='/dev/sr0'/><target dev='sda'/><readonly/></disk>
     <disk type='network' device='disk'><source protocol='nbd' name='x'><host name='h'/></source></disk>
     <interface type='user'><source network='default'/></interface>
   </devices>
@@ -455,12 +456,18 @@ fn the_hook_reads_qemus_user_and_the_domains_images() {
 </domain>"#;
     let f = facts(xml).unwrap();
     assert_eq!(f.dac_label.as_deref(), Some("+64055:+107"));
+    let img = |path: &str, read_only, format: &str| accelctl::libvirt::xml::ImageFact {
+        path: path.into(),
+        read_only,
+        format: Some(format.into()),
+    };
+    // The disk's own image is writable; its backing file and the cdrom only read.
     assert_eq!(
         f.images,
         [
-            "/var/lib/img/top.qcow2",
-            "/var/lib/img/base.raw",
-            "/dev/sr0"
+            img("/var/lib/img/top.qcow2", false, "qcow2"),
+            img("/var/lib/img/base.raw", true, "raw"),
+            img("/dev/sr0", true, "raw"),
         ]
     );
     use accelctl::libvirt::hook::parse_dac_label;

@@ -444,8 +444,58 @@ pub enum Request {
         vm: String,
         uid: u32,
         gid: u32,
-        images: Vec<PathBuf>,
+        images: Vec<PermitImage>,
     },
+}
+
+/// One image a permit names: a path (then writable, format not given) or
+/// `{"path", "read_only", "format"}` as libvirt's domain XML says (a disk's `<readonly/>`,
+/// a backing file, its `<driver type>` or `<format type>`). A drive registered on it must be
+/// read-only if it is, and of its format if one is given; acceld never probes its format.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum PermitImage {
+    Path(PathBuf),
+    Spec {
+        path: PathBuf,
+        #[serde(default)]
+        read_only: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        format: Option<String>,
+    },
+}
+
+impl PermitImage {
+    pub fn path(&self) -> &Path {
+        match self {
+            PermitImage::Path(p) | PermitImage::Spec { path: p, .. } => p,
+        }
+    }
+
+    pub fn read_only(&self) -> bool {
+        matches!(
+            self,
+            PermitImage::Spec {
+                read_only: true,
+                ..
+            }
+        )
+    }
+
+    pub fn format(&self) -> Option<&str> {
+        match self {
+            PermitImage::Spec {
+                format: Some(f), ..
+            } => Some(f),
+            _ => None,
+        }
+    }
+}
+
+impl From<PathBuf> for PermitImage {
+    fn from(p: PathBuf) -> Self {
+        PermitImage::Path(p)
+    }
 }
 
 fn default_memory() -> String {

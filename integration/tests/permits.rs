@@ -105,7 +105,7 @@ fn a_permit_lets_qemus_user_register_its_vm_and_nothing_else() -> Result<()> {
         vm: "pv".into(),
         uid,
         gid: uid,
-        images,
+        images: images.into_iter().map(Into::into).collect(),
     };
     let r = control::call(&root_sock, &permit(vec![img.clone()], 0), CALL)?;
     assert!(!r.ok && r.kind == Some(ErrorKind::Invalid), "uid 0: {r:?}");

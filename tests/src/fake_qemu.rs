@@ -31,6 +31,8 @@ struct Model {
     exports: BTreeMap<String, (String, String)>,
     objects: BTreeSet<String>,
     fail: HashMap<String, String>,
+    /// Runs (once) before the reply to the command (a compromised QEMU acting meanwhile).
+    before_reply: HashMap<String, Box<dyn FnOnce() + Send>>,
     log: Vec<String>,
     nbd_path: Option<PathBuf>,
 }
@@ -95,6 +97,14 @@ impl FakeQemu {
         lock(&self.model).fail.insert(cmd.into(), desc.into());
     }
 
+    /// Runs `f` once, before the next `cmd` is answered: what a compromised QEMU can do while
+    /// acceld waits for that answer.
+    pub fn before_reply(&self, cmd: &str, f: impl FnOnce() + Send + 'static) {
+        lock(&self.model)
+            .before_reply
+            .insert(cmd.into(), Box::new(f));
+    }
+
     /// Whether QEMU's model has a node of that name.
     pub fn has_node(&self, name: &str) -> bool {
         lock(&self.model).nodes.contains_key(name)
@@ -131,7 +141,12 @@ impl FakeQemu {
             let id = req["id"].clone();
             let cmd = req["execute"].as_str().unwrap_or_default().to_string();
             let args = req["arguments"].clone();
-            let reply = match self.exec(&cmd, &args) {
+            let result = self.exec(&cmd, &args);
+            let hook = lock(&self.model).before_reply.remove(&cmd);
+            if let Some(f) = hook {
+                f();
+            }
+            let reply = match result {
                 Ok(v) => json!({"return": v, "id": id}),
                 Err((class, desc)) => json!({"error": {"class": class, "desc": desc}, "id": id}),
             };

@@ -104,6 +104,7 @@ pub fn file_engine(image: &Path, o: &ServerOptions) -> Arc<FileEngine> {
             logical_block_size: o.logical_block_size,
             lock: false,
             io: o.io,
+            identity: None,
         })
         .expect("open image"),
     )

@@ -5,6 +5,7 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::time::Duration;
 
 use accel_tests::harness::{ServerOptions, TestServer};
 use accel_tests::{BlkFrontend, FrontendOptions, S_OK, T_IN, T_OUT};
@@ -56,11 +57,7 @@ fn send_with_fds(sock: &UnixStream, request: u32, fds: &[RawFd]) -> std::io::Res
         (*c).cmsg_level = libc::SOL_SOCKET;
         (*c).cmsg_type = libc::SCM_RIGHTS;
         (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as usize;
-        std::ptr::copy_nonoverlapping(
-            fds.as_ptr(),
-            libc::CMSG_DATA(c).cast::<RawFd>(),
-            fds.len(),
-        );
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<RawFd>(), fds.len());
     }
     // SAFETY: msg points at live buffers of the lengths given.
     let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &raw const msg, libc::MSG_NOSIGNAL) };
@@ -203,4 +200,94 @@ fn a_planted_socket_that_never_accepts_does_not_hold_bind() {
         // SAFETY: the test's own descriptors.
         unsafe { libc::close(c) };
     }
+}
+
+fn status_drive(sup: &acceld::supervisor::Supervisor) -> serde_json::Value {
+    serde_json::to_value(sup.status()).unwrap()["vms"][0]["drives"][0].clone()
+}
+
+/// QEMU reports its drive's file through a link in a directory it controls; while acceld
+/// waits for the answer to `blockdev-del` (before it opens the image for the direct engine),
+/// QEMU points the link at another file. Before the fix acceld (root) opened the link's new
+/// target read-write, for a root VM unchecked, and gave the guest that file. Now it opens the
+/// registered image by identity, whatever the link says; a file other than the registered
+/// one is never opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_swapped_during_the_switch_never_opens_another_file() {
+    use accel_tests::fake_qemu::FakeQemu;
+    use acceld::control::DriveSpec;
+    use acceld::supervisor::{Config, Supervisor};
+    accel_tests::harness::init_logs();
+    let dir = tempfile::Builder::new()
+        .prefix("accel-sec")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let size = 1u64 << 20;
+    let image = dir.path().join("d0.raw");
+    let secret = dir.path().join("secret.raw");
+    std::fs::write(&image, vec![0x11u8; size as usize]).unwrap();
+    std::fs::write(&secret, vec![0x5eu8; size as usize]).unwrap();
+    // QEMU's directory: the link QEMU names, first at the drive's image.
+    let qdir = dir.path().join("qemu");
+    std::fs::create_dir(&qdir).unwrap();
+    let link = qdir.join("disk");
+    std::os::unix::fs::symlink(&image, &link).unwrap();
+    let run = dir.path().join("run");
+    let socket = run.join("vm").join("d0.sock");
+    let fake = FakeQemu::start(dir.path(), "d0", &link, &socket);
+    let (l2, s2) = (link.clone(), secret.clone());
+    fake.before_reply("blockdev-del", move || {
+        let tmp = l2.with_extension("new");
+        std::os::unix::fs::symlink(&s2, &tmp).unwrap();
+        std::fs::rename(&tmp, &l2).unwrap();
+    });
+    let sup = Supervisor::new(Config {
+        run_dir: run.clone(),
+        quiet_period_ms: 100,
+        poll_interval_ms: 3_600_000,
+        attach_timeout_ms: 5000,
+        ..Config::default()
+    });
+    let spec = DriveSpec::parse(&format!("id=d0,image={}", image.display())).unwrap();
+    let qmp = fake.qmp_path.clone();
+    let s = sup.clone();
+    tokio::task::block_in_place(|| s.register("vm".into(), qmp, vec![spec], false, false, None))
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while status_drive(&sup)["engine"] != "direct" {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{}",
+            status_drive(&sup)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        std::fs::read_link(&link).unwrap() == secret,
+        "the link was swapped"
+    );
+    // The guest reads and writes the registered image, not the link's target.
+    let sock = socket.clone();
+    let (read, wrote) = tokio::task::spawn_blocking(move || {
+        let mut fe = BlkFrontend::connect(&sock, FrontendOptions::default()).unwrap();
+        let read = fe.request(0, T_IN, 0, &[], 512).unwrap().1;
+        let wrote = fe.request(0, T_OUT, 8, &[0x77u8; 512], 0).unwrap().0;
+        (read, wrote)
+    })
+    .await
+    .unwrap();
+    assert!(
+        read.len() == 512 && read.iter().all(|b| *b == 0x11),
+        "the guest read another file"
+    );
+    assert_eq!(wrote, S_OK);
+    let got = std::fs::read(&secret).unwrap();
+    assert!(
+        got.iter().all(|b| *b == 0x5e),
+        "acceld wrote the file the link was swapped to"
+    );
+    let img = std::fs::read(&image).unwrap();
+    assert_eq!(&img[4096..4096 + 512], &[0x77u8; 512][..]);
+    let s = sup.clone();
+    let _ = s.unregister("vm", false).await;
 }

@@ -127,7 +127,15 @@ fn permit(sock: &Path, vm: &str, facts: &xml::DomainFacts) -> Result<(), String>
         vm: vm.to_string(),
         uid,
         gid,
-        images: facts.images.iter().map(Into::into).collect(),
+        images: facts
+            .images
+            .iter()
+            .map(|i| accel_api::control::PermitImage::Spec {
+                path: i.path.clone().into(),
+                read_only: i.read_only,
+                format: i.format.clone(),
+            })
+            .collect(),
     };
     match control::call(sock, &req, CALL) {
         Ok(r) if r.ok => Ok(()),

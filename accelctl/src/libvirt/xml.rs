@@ -25,7 +25,52 @@ pub struct DomainFacts {
     /// who QEMU runs as. libvirt puts it in the XML of the `start` hook and later ones.
     pub dac_label: Option<String>,
     /// Every image a disk names (`<source file=…>` or `dev=…`, backing chain included).
-    pub images: Vec<String>,
+    pub images: Vec<ImageFact>,
+}
+
+/// One image of the domain's disks, as its XML describes it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ImageFact {
+    pub path: String,
+    /// A backing file, or the image of a disk with `<readonly/>`: QEMU only reads it.
+    pub read_only: bool,
+    /// `<driver type=…>` of the disk, `<format type=…>` of a backing store.
+    pub format: Option<String>,
+}
+
+/// What one `<disk>` said so far.
+#[derive(Default)]
+struct DiskAcc {
+    readonly: bool,
+    top: Option<String>,
+    top_format: Option<String>,
+    /// Per `<backingStore>` depth: its source and format.
+    backing: std::collections::BTreeMap<usize, (Option<String>, Option<String>)>,
+}
+
+impl DiskAcc {
+    fn finish(self, f: &mut DomainFacts) {
+        let mut add = |path: Option<String>, read_only: bool, format: Option<String>| {
+            let Some(path) = path else { return };
+            match f.images.iter_mut().find(|i| i.path == path) {
+                Some(i) => {
+                    i.read_only |= read_only;
+                    if i.format.is_none() {
+                        i.format = format;
+                    }
+                }
+                None => f.images.push(ImageFact {
+                    path,
+                    read_only,
+                    format,
+                }),
+            }
+        };
+        add(self.top, self.readonly, self.top_format);
+        for (_, (path, format)) in self.backing {
+            add(path, true, format);
+        }
+    }
 }
 
 fn parse_err(e: impl std::fmt::Display) -> XmlError {
@@ -43,15 +88,30 @@ fn attr(e: &BytesStart<'_>, key: &str) -> Option<String> {
         .and_then(|a| a.unescape_value().ok().map(|v| v.into_owned()))
 }
 
-/// Images a `<source>` element names, if it is a disk's (or its backing chain's).
-fn disk_source(path: &[String], e: &BytesStart<'_>, f: &mut DomainFacts) {
-    let in_disk = path.len() >= 3 && path[1] == "devices" && path[2] == "disk";
-    if in_disk && e.name().as_ref() == b"source" {
-        if let Some(v) = attr(e, "file").or_else(|| attr(e, "dev")) {
-            if !f.images.contains(&v) {
-                f.images.push(v);
+/// What an element inside a `<disk>` says of its images: a `<source>` (the disk's own or a
+/// `<backingStore>`'s), `<readonly/>`, the disk's `<driver type>`, a backing store's
+/// `<format type>`.
+fn disk_element(path: &[String], e: &BytesStart<'_>, disk: &mut Option<DiskAcc>) {
+    let Some(d) = disk.as_mut() else { return };
+    if path.len() < 3 || path[1] != "devices" || path[2] != "disk" {
+        return;
+    }
+    let depth = path[3..].iter().filter(|p| *p == "backingStore").count();
+    let direct_child = path.len() == 3;
+    let in_backing = path.last().is_some_and(|p| p == "backingStore");
+    match e.name().as_ref() {
+        b"source" => {
+            let v = attr(e, "file").or_else(|| attr(e, "dev"));
+            if direct_child {
+                d.top = v.or(d.top.take());
+            } else if in_backing {
+                d.backing.entry(depth).or_default().0 = v;
             }
         }
+        b"readonly" if direct_child => d.readonly = true,
+        b"driver" if direct_child => d.top_format = attr(e, "type"),
+        b"format" if in_backing => d.backing.entry(depth).or_default().1 = attr(e, "type"),
+        _ => {}
     }
 }
 
@@ -62,6 +122,8 @@ pub fn facts(xml: &str) -> Result<DomainFacts, XmlError> {
     let mut f = DomainFacts::default();
     // Inside the domain's `<seclabel model='dac'>`.
     let mut dac = false;
+    // Inside a `<disk>`.
+    let mut disk: Option<DiskAcc> = None;
     loop {
         match r.read_event().map_err(parse_err)? {
             Event::Start(e) => {
@@ -72,11 +134,25 @@ pub fn facts(xml: &str) -> Result<DomainFacts, XmlError> {
                 if path.len() == 1 && n == "seclabel" {
                     dac = attr(&e, "model").as_deref() == Some("dac");
                 }
-                disk_source(&path, &e, &mut f);
+                if path.len() == 2 && path[1] == "devices" && n == "disk" {
+                    disk = Some(DiskAcc::default());
+                }
+                disk_element(&path, &e, &mut disk);
                 path.push(n);
             }
-            Event::Empty(e) => disk_source(&path, &e, &mut f),
+            Event::Empty(e) => {
+                if path.len() == 2 && path[1] == "devices" && e.name().as_ref() == b"disk" {
+                    // A disk without children names no image.
+                } else {
+                    disk_element(&path, &e, &mut disk);
+                }
+            }
             Event::End(_) => {
+                if path.len() == 3 && path[2] == "disk" {
+                    if let Some(d) = disk.take() {
+                        d.finish(&mut f);
+                    }
+                }
                 path.pop();
             }
             Event::Text(t) => {

@@ -32,6 +32,14 @@ pub enum EngineError {
     },
     #[error("image {path} is not a regular file or block device")]
     NotAFileOrDevice { path: PathBuf },
+    #[error("image {path} is not the file registered (device {want_dev:#x} inode {want_ino}; found device {got_dev:#x} inode {got_ino})")]
+    NotTheImage {
+        path: PathBuf,
+        want_dev: u64,
+        want_ino: u64,
+        got_dev: u64,
+        got_ino: u64,
+    },
     #[error("image {path}: {what}")]
     Unsupported { path: PathBuf, what: String },
     #[error("cannot set up io_uring for queue {queue}")]

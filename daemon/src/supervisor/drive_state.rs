@@ -107,6 +107,9 @@ type ServerThread = (ShutdownHandle, JoinHandle<()>);
 
 pub struct ManagedDrive {
     pub spec: DriveSpec,
+    /// The image as registered: the only file the direct engine opens (see
+    /// [`super::permit::ImageRef`]).
+    pub image: super::permit::ImageRef,
     pub socket: PathBuf,
     pub drive: Arc<Drive>,
     server: Mutex<Option<ServerThread>>,
@@ -126,8 +129,10 @@ pub struct ManagedDrive {
 }
 
 impl ManagedDrive {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         spec: DriveSpec,
+        image: super::permit::ImageRef,
         socket: PathBuf,
         drive: Arc<Drive>,
         server: ServerThread,
@@ -137,6 +142,7 @@ impl ManagedDrive {
     ) -> Self {
         ManagedDrive {
             spec,
+            image,
             socket,
             drive,
             server: Mutex::new(Some(server)),

@@ -10,7 +10,9 @@
 
 use std::path::{Path, PathBuf};
 
-use accel_api::control::{check_id, DriveSpec};
+use accel_api::control::{check_id, DriveSpec, PermitImage};
+
+use crate::engine::file::ImageId;
 use serde::{Deserialize, Serialize};
 use tracing::info;
 
@@ -63,34 +65,65 @@ pub fn secure_own(path: &Path, mode: u32, owner: Option<Owner>, dir: bool) -> Re
     Ok(())
 }
 
-/// For a VM whose QEMU is not root, the image the direct engine is about to open (as root)
-/// must be the drive's registered image, which its permit allowed: QEMU (the user's process)
-/// reports the node's file name, and it could name any file.
-pub(super) fn check_owned_image(
-    owner: Option<Owner>,
-    registered: &Path,
-    path: &Path,
-) -> Result<(), SupError> {
-    if owner.is_none() {
-        return Ok(());
+/// A drive's image as registered: its canonical path (no symbolic link on the way when it was
+/// resolved, by root) and the identity of the file it named then. Every open of the image
+/// (a switch to the direct engine, the take-back after a migration's hand-off, the restore
+/// after a restart) opens that path without following links and checks that identity, so no
+/// link or rename QEMU's user makes can turn acceld's open (as root) onto another file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageRef {
+    pub path: PathBuf,
+    pub id: ImageId,
+    /// The permit allows this image read-only (a backing file, a disk's `<readonly/>`).
+    #[serde(default)]
+    pub read_only: bool,
+    /// The format the permit names for it, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
+}
+
+impl ImageRef {
+    /// Resolves `path` now (as root, trusted: a registration through acceld's own socket, or
+    /// root's permit).
+    pub fn resolve(path: &Path) -> Result<ImageRef, SupError> {
+        let io = |source| SupError::Io {
+            what: format!("image {}", path.display()),
+            source,
+        };
+        let real = std::fs::canonicalize(path).map_err(io)?;
+        let id = ImageId::of_path(&real).map_err(io)?;
+        Ok(ImageRef {
+            path: real,
+            id,
+            read_only: false,
+            format: None,
+        })
     }
-    let real = |p: &Path| std::fs::canonicalize(p).ok();
-    match (real(registered), real(path)) {
-        (Some(a), Some(b)) if a == b => Ok(()),
+}
+
+/// The file QEMU names for a drive going direct must be the drive's registered image (the
+/// same device and inode, as QEMU opened it: links followed): QEMU, or its user, could name
+/// any file. acceld then opens the registered path itself, never QEMU's.
+pub(super) fn check_qemu_image(image: &ImageRef, qemu_path: &Path) -> Result<(), SupError> {
+    match ImageId::of_path(qemu_path) {
+        Ok(id) if id == image.id => Ok(()),
         _ => Err(SupError::Denied(format!(
-            "QEMU names {} for the direct engine; the drive's image is {} (QEMU does not run as root)",
-            path.display(),
-            registered.display()
+            "QEMU names {} for the direct engine; the drive's image is {}",
+            qemu_path.display(),
+            image.path.display()
         ))),
     }
 }
+
+/// Most images one permit names (each a file acceld stats as root).
+const MAX_PERMIT_IMAGES: usize = 256;
 
 /// One VM's permit.
 #[derive(Clone, Debug)]
 pub struct Permit {
     pub owner: Owner,
-    /// The images a registration may name, resolved (`realpath`).
-    pub images: Vec<PathBuf>,
+    /// The images a registration may name, resolved (`realpath`) with their identity.
+    pub images: Vec<ImageRef>,
     /// Tells one permit of the VM from the next (the socket's server ends with its permit).
     pub generation: u64,
 }
@@ -117,7 +150,7 @@ impl Supervisor {
         &self,
         vm: &str,
         owner: Owner,
-        images: &[PathBuf],
+        images: &[PermitImage],
     ) -> Result<Permitted, SupError> {
         check_id("VM name", vm).map_err(|e| SupError::Invalid(e.0))?;
         if owner.uid == 0 {
@@ -128,15 +161,33 @@ impl Supervisor {
         if images.is_empty() {
             return Err(SupError::Invalid(format!("VM {vm}: no image given")));
         }
-        let images = images
-            .iter()
-            .map(|p| {
-                std::fs::canonicalize(p).map_err(|source| SupError::Io {
-                    what: format!("image {}", p.display()),
-                    source,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        if images.len() > MAX_PERMIT_IMAGES {
+            return Err(SupError::Invalid(format!(
+                "VM {vm}: {} images (at most {MAX_PERMIT_IMAGES})",
+                images.len()
+            )));
+        }
+        let mut refs: Vec<ImageRef> = Vec::new();
+        for i in images {
+            let mut r = ImageRef::resolve(i.path())?;
+            r.read_only = i.read_only();
+            r.format = i.format().map(str::to_string);
+            if let Some(f) = &r.format {
+                check_id("image format", f).map_err(|e| SupError::Invalid(e.0))?;
+            }
+            // One file named twice (two paths, or a disk and a backing file): writable
+            // only if every mention is.
+            match refs.iter_mut().find(|o| o.id == r.id) {
+                Some(o) => {
+                    o.read_only |= r.read_only;
+                    if o.format.is_none() {
+                        o.format = r.format;
+                    }
+                }
+                None => refs.push(r),
+            }
+        }
+        let images = refs;
         let socket = self.vm_control_socket(vm);
         if socket.as_os_str().len() >= 108 {
             return Err(SupError::Invalid(format!(
@@ -199,6 +250,7 @@ impl Supervisor {
         qmp: &Path,
         drives: &mut [DriveSpec],
     ) -> Result<Owner, SupError> {
+        let mut used: Vec<ImageId> = Vec::new();
         let p = self
             .permit_of(vm)
             .ok_or_else(|| SupError::Denied(format!("VM {vm} has no permit")))?;
@@ -222,12 +274,37 @@ impl Supervisor {
                 what: format!("drive {}: image {}", d.id, d.image.display()),
                 source,
             })?;
-            if !p.images.contains(&real) {
+            let Some(img) = p.images.iter().find(|i| i.path == real) else {
                 return Err(SupError::Denied(format!(
                     "drive {}: image {} is not one of the domain's images",
                     d.id,
                     d.image.display()
                 )));
+            };
+            if used.contains(&img.id) {
+                return Err(SupError::Denied(format!(
+                    "drive {}: image {} is another drive's too",
+                    d.id,
+                    d.image.display()
+                )));
+            }
+            used.push(img.id);
+            if img.read_only && !d.read_only {
+                return Err(SupError::Denied(format!(
+                    "drive {}: image {} is permitted read-only (register it with read-only=on)",
+                    d.id,
+                    d.image.display()
+                )));
+            }
+            if let Some(f) = &img.format {
+                if *f != d.format {
+                    return Err(SupError::Denied(format!(
+                        "drive {}: image {} is {f} in the domain, not {}",
+                        d.id,
+                        d.image.display(),
+                        d.format
+                    )));
+                }
             }
             // The path checked is the one used (no link swapped in between).
             d.image = real;

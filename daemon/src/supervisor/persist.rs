@@ -19,6 +19,9 @@ pub struct SavedDrive {
     pub pin: Option<Pin>,
     #[serde(default)]
     pub throttle: Option<ThrottleLimits>,
+    /// The image as registered (older state files lack it: resolved at restore).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<super::permit::ImageRef>,
 }
 
 impl SavedDrive {
@@ -32,6 +35,7 @@ impl SavedDrive {
             recorded: None,
             pin: None,
             throttle,
+            image: None,
         }
     }
 }

@@ -153,6 +153,27 @@ impl Supervisor {
         owner: Option<super::Owner>,
     ) -> Result<Arc<ManagedDrive>, SupError> {
         let spec = sd.spec;
+        // The image as registered: saved with the drive, else the permit's (QEMU not root),
+        // else resolved now (root's registration).
+        let image = match sd.image {
+            Some(i) => i,
+            None => match owner.and_then(|_| self.permit_of(&dir_name(dir))) {
+                Some(p) => {
+                    let real = std::fs::canonicalize(&spec.image).ok();
+                    p.images
+                        .into_iter()
+                        .find(|i| Some(&i.path) == real.as_ref())
+                        .ok_or_else(|| {
+                            SupError::Denied(format!(
+                                "drive {}: image {} is not one of the domain's images",
+                                spec.id,
+                                spec.image.display()
+                            ))
+                        })?
+                }
+                None => super::permit::ImageRef::resolve(&spec.image)?,
+            },
+        };
         if !spec.image.exists() {
             return Err(SupError::Invalid(format!(
                 "drive {}: image {} does not exist",
@@ -166,7 +187,7 @@ impl Supervisor {
                 source,
             })?
         } else {
-            qemu_img_virtual_size(&spec.image)?
+            qemu_img_virtual_size(&image.path, &spec.format, owner)?
         };
         let socket = dir.join(format!("{}.sock", spec.id));
         if socket.as_os_str().len() >= 108 {
@@ -207,7 +228,7 @@ impl Supervisor {
                     .as_ref()
                     .map(|p| PathBuf::from(&p.filename))
                     .unwrap_or_else(|| PathBuf::from(&rec.node.filename));
-                super::permit::check_owned_image(owner, &spec.image, &path)?;
+                super::permit::check_qemu_image(&image, &path)?;
                 let serve = policy::ServeSpec {
                     image: path,
                     read_only: spec.read_only,
@@ -218,7 +239,7 @@ impl Supervisor {
                     serial: spec.serial.clone(),
                     block_device: false,
                 };
-                let fcfg = super::switch::file_config(&spec, &serve);
+                let fcfg = super::switch::file_config(&spec, &image, &serve);
                 direct_spec = Some(serve);
                 let e = FileEngine::open_waiting(&fcfg, Duration::from_secs(5))?;
                 (Arc::new(e), EngineKind::Direct)
@@ -248,6 +269,7 @@ impl Supervisor {
         info!(drive = %spec.id, socket = %socket.display(), engine = kind.as_str(), "serving");
         Ok(Arc::new(ManagedDrive::new(
             spec,
+            image,
             socket,
             drive,
             (stop, thread),
@@ -361,6 +383,13 @@ impl Supervisor {
     }
 }
 
+/// The VM's name, from its directory `RUN_DIR/VM`.
+fn dir_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
 /// The VM's directory: root's, or its QEMU user's (who creates the QMP and NBD sockets in
 /// it); nobody else's.
 pub(super) fn create_owned_dir(dir: &Path, owner: Option<super::Owner>) -> Result<(), SupError> {
@@ -371,16 +400,35 @@ pub(super) fn create_owned_dir(dir: &Path, owner: Option<super::Owner>) -> Resul
     super::permit::secure_own(dir, 0o700, owner, true)
 }
 
-/// The guest-visible size of a non-raw image (`qemu-img info -U`).
-fn qemu_img_virtual_size(image: &Path) -> Result<u64, SupError> {
-    let out = std::process::Command::new("qemu-img")
-        .args(["info", "-U", "--output=json"])
+/// The guest-visible size of a non-raw image (`qemu-img info -U`), of the drive's format
+/// (never probed: the guest writes the image's content, and a probe of a raw image that
+/// looks like a qcow2 one would follow its backing file name). It runs as QEMU's user when
+/// the VM has one (it reads only what QEMU could), with no descriptor of acceld's.
+fn qemu_img_virtual_size(
+    image: &Path,
+    format: &str,
+    owner: Option<super::Owner>,
+) -> Result<u64, SupError> {
+    use std::os::unix::process::CommandExt;
+    check_id("image format", format).map_err(|e| SupError::Invalid(e.0))?;
+    let mut cmd = std::process::Command::new("qemu-img");
+    cmd.args(["info", "-U", "--output=json", "-f", format])
+        .arg("--")
         .arg(image)
-        .output()
-        .map_err(|source| SupError::Io {
-            what: "cannot run qemu-img (qemu-utils)".into(),
-            source,
-        })?;
+        .stdin(std::process::Stdio::null());
+    if let Some(o) = owner {
+        // As root, std drops the supplementary groups with the uid.
+        cmd.uid(o.uid).gid(o.gid);
+    }
+    // SAFETY: the closure runs in the child between fork and exec and only makes one
+    // async-signal-safe system call (close_range).
+    unsafe {
+        cmd.pre_exec(crate::util::close_inherited_fds);
+    }
+    let out = cmd.output().map_err(|source| SupError::Io {
+        what: "cannot run qemu-img (qemu-utils)".into(),
+        source,
+    })?;
     if !out.status.success() {
         return Err(SupError::Invalid(format!(
             "qemu-img info {}: {}",

@@ -39,13 +39,21 @@ impl Target {
 }
 
 /// How the direct engine opens a drive's image.
-pub(super) fn file_config(drive: &DriveSpec, serve: &ServeSpec) -> FileEngineConfig {
-    FileEngineConfig::new(
-        serve.image.clone(),
-        drive.read_only || serve.read_only,
+/// The direct engine's configuration: the registered image (never the path QEMU reported,
+/// which [`super::permit::check_qemu_image`] compared with it), opened by identity.
+pub(super) fn file_config(
+    drive: &DriveSpec,
+    image: &super::permit::ImageRef,
+    serve: &ServeSpec,
+) -> FileEngineConfig {
+    let mut c = FileEngineConfig::new(
+        image.path.clone(),
+        drive.read_only || serve.read_only || image.read_only,
         serve.direct,
         drive.logical_block_size,
-    )
+    );
+    c.identity = Some(image.id);
+    c
 }
 
 impl Supervisor {
@@ -100,7 +108,7 @@ impl Supervisor {
         // Lent rings come back, and stay, until the drive is on the qemu engine again.
         d.stop_lending();
         if let Target::Direct(spec) = &to {
-            super::permit::check_owned_image(vm.owner, &d.spec.image, &spec.image)?;
+            super::permit::check_qemu_image(&d.image, &spec.image)?;
         }
         // From direct to the qemu engine, everything but the hand-over happens before the
         // pause: QEMU's nodes, its export (acceld's lock shares write meanwhile; QEMU writes
@@ -119,7 +127,7 @@ impl Supervisor {
                 }
             },
             (Target::Direct(spec), EngineKind::Qemu) => {
-                match FileEngine::open_sharing_write(file_config(&d.spec, spec)) {
+                match FileEngine::open_sharing_write(file_config(&d.spec, &d.image, spec)) {
                     Ok(e) if e.size() >= d.drive.capacity() => Some(Arc::new(e) as Arc<dyn Engine>),
                     // The usual path then says why (and restores what it must).
                     _ => None,
@@ -414,7 +422,7 @@ impl Supervisor {
                 let t_down = t0.elapsed();
                 self.remove_nodes(d, qmp).await?;
                 let t_nodes = t0.elapsed();
-                let opened = FileEngine::open(file_config(&d.spec, spec));
+                let opened = FileEngine::open(file_config(&d.spec, &d.image, spec));
                 debug!(drive = %d.spec.id, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, open_us = (t0.elapsed() - t_nodes).as_micros() as u64, "bring-up steps (direct)");
                 let e = match opened {
                     Ok(e) if e.size() >= d.drive.capacity() => e,

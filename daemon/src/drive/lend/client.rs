@@ -122,10 +122,12 @@ impl Client {
     fn open(path: &Path, peer_uid: Option<u32>) -> Result<Client, ClientError> {
         // The export's socket is in the VM's directory: a listener that never accepts
         // holds the connect 5 s at most.
-        let sock = crate::util::connect_unix(path, std::time::Duration::from_secs(5)).map_err(|source| ClientError::Connect {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let sock = crate::util::connect_unix(path, std::time::Duration::from_secs(5)).map_err(
+            |source| ClientError::Connect {
+                path: path.to_path_buf(),
+                source,
+            },
+        )?;
         if let Some(want) = peer_uid {
             let got = peer_uid_of(&sock);
             if got != Some(want) {

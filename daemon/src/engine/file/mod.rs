@@ -1,10 +1,10 @@
 //! The direct engine: the raw file or block device itself, through io_uring ([`uring`]) or
 //! inline preadv2/pwritev2 ([`inline`]), with QEMU-compatible image locks ([`image_lock`]).
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -31,6 +31,89 @@ pub struct FileEngineConfig {
     pub lock: bool,
     /// How requests reach the file (see [`IoMode`]).
     pub io: IoMode,
+    /// The file `path` must be (its device and inode, recorded when the drive was
+    /// registered): the path is then opened without following any symbolic link
+    /// (`openat2` `RESOLVE_NO_SYMLINKS`) and the file opened checked against it, so that
+    /// whoever can change a directory on the way (QEMU's user) cannot make acceld open
+    /// another file.
+    pub identity: Option<ImageId>,
+}
+
+/// A file's identity: device and inode number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ImageId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl ImageId {
+    /// The identity of an open file.
+    pub fn of_file(f: &File) -> io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = f.metadata()?;
+        Ok(ImageId {
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+
+    /// The identity of the file `path` names now (links followed).
+    pub fn of_path(path: &Path) -> io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path)?;
+        Ok(ImageId {
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+}
+
+/// Opens `path` with `flags` (and `O_CLOEXEC | O_NOCTTY | O_NONBLOCK`: a FIFO or a device
+/// that waits for a peer never holds the caller; the caller clears `O_NONBLOCK`), following
+/// no symbolic link when `no_symlinks`.
+fn open_flags(path: &Path, flags: libc::c_int, no_symlinks: bool) -> io::Result<File> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path holds a NUL byte"))?;
+    let flags = flags | libc::O_CLOEXEC | libc::O_NOCTTY | libc::O_NONBLOCK;
+    let fd = if no_symlinks {
+        // SAFETY: open_how is plain old data; all-zero is a valid value, filled below.
+        let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+        how.flags = flags as u64;
+        how.resolve = libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+        // SAFETY: c is a NUL-terminated path and how a valid open_how of the size given,
+        // both alive for the call; the result is checked.
+        unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                libc::AT_FDCWD,
+                c.as_ptr(),
+                &raw const how,
+                std::mem::size_of::<libc::open_how>(),
+            )
+        }
+    } else {
+        // SAFETY: c is a NUL-terminated path alive for the call; the result is checked.
+        libc::c_long::from(unsafe { libc::open(c.as_ptr(), flags) })
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just opened and is owned by nobody else.
+    Ok(unsafe { File::from_raw_fd(fd as libc::c_int) })
+}
+
+/// Clears `O_NONBLOCK` (set by [`open_flags`]) once the file is known to be an image.
+fn clear_nonblock(f: &File) -> io::Result<()> {
+    // SAFETY: fcntl on an open descriptor with F_GETFL/F_SETFL has no memory effects.
+    unsafe {
+        let fl = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
+        if fl < 0 || libc::fcntl(f.as_raw_fd(), libc::F_SETFL, fl & !libc::O_NONBLOCK) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 impl FileEngineConfig {
@@ -43,6 +126,7 @@ impl FileEngineConfig {
             logical_block_size,
             lock: true,
             io: IoMode::Auto,
+            identity: None,
         }
     }
 }
@@ -100,15 +184,28 @@ impl FileEngine {
             path: cfg.path.clone(),
             source,
         };
-        let mut oo = OpenOptions::new();
-        oo.read(true).write(!cfg.read_only);
-        let mut flags = libc::O_CLOEXEC;
+        let mut flags = if cfg.read_only {
+            libc::O_RDONLY
+        } else {
+            libc::O_RDWR
+        };
         if cfg.direct {
             flags |= libc::O_DIRECT;
         }
-        oo.custom_flags(flags);
-        let file = oo.open(&cfg.path).map_err(open_err)?;
+        let file = open_flags(&cfg.path, flags, cfg.identity.is_some()).map_err(open_err)?;
         let meta = file.metadata().map_err(open_err)?;
+        if let Some(want) = cfg.identity {
+            use std::os::unix::fs::MetadataExt;
+            if (meta.dev(), meta.ino()) != (want.dev, want.ino) {
+                return Err(EngineError::NotTheImage {
+                    path: cfg.path.clone(),
+                    want_dev: want.dev,
+                    want_ino: want.ino,
+                    got_dev: meta.dev(),
+                    got_ino: meta.ino(),
+                });
+            }
+        }
         let ft = meta.file_type();
         let (size, block_device) = if ft.is_file() {
             (meta.len(), false)
@@ -119,6 +216,7 @@ impl FileEngine {
                 path: cfg.path.clone(),
             });
         };
+        clear_nonblock(&file).map_err(open_err)?;
         if cfg.lock && sharing_write {
             qemu_lock_sharing_write(&file, &cfg.path, cfg.read_only)?;
         } else if cfg.lock {
