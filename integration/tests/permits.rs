@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use accel_integration::supervised::AcceldRun;
-use acceld::control::{self, DriveSpec, ErrorKind, Reply, Request};
+use acceld::control::{self, DriveSpec, ErrorKind, PermitImage, Reply, Request};
 use anyhow::{bail, Context, Result};
 
 const NOBODY: u32 = 65534;
@@ -253,10 +253,87 @@ fn a_permit_lets_qemus_user_register_its_vm_and_nothing_else() -> Result<()> {
             .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
     );
     // A permit whose VM never registered ends with root's unregister too.
-    let r = control::call(&root_sock, &permit(vec![img], NOBODY), CALL)?;
+    let r = control::call(&root_sock, &permit(vec![img.clone()], NOBODY), CALL)?;
     assert!(r.ok, "{r:?}");
     let r = control::call(&root_sock, &Request::Unregister { vm: "pv".into() }, CALL)?;
     assert_eq!(r.kind, Some(ErrorKind::NotFound), "{r:?}");
     assert!(!run.join("pv").exists(), "the permit's directory is left");
+
+    // Read-only and format per image, one image per drive.
+    let spec_permit = |images: Vec<PermitImage>| Request::Permit {
+        vm: "pv".into(),
+        uid: NOBODY,
+        gid: NOBODY,
+        images,
+    };
+    let ro = |p: &Path| PermitImage::Spec {
+        path: p.to_path_buf(),
+        read_only: true,
+        format: Some("raw".into()),
+    };
+    let rw = |p: &Path, f: &str| PermitImage::Spec {
+        path: p.to_path_buf(),
+        read_only: false,
+        format: Some(f.into()),
+    };
+    let r = control::call(
+        &root_sock,
+        &spec_permit(vec![rw(&img, "raw"), ro(&other)]),
+        CALL,
+    )?;
+    assert!(r.ok, "{r:?}");
+    wait_exists(&vm_sock)?;
+    let reg = |drives: Vec<DriveSpec>| Request::Register {
+        vm: "pv".into(),
+        qmp: run.join("pv/qemu-qmp.sock"),
+        drives,
+        cont: false,
+        incoming: false,
+    };
+    let spec = |s: &str| DriveSpec::parse(s).unwrap();
+    for (drives, why) in [
+        (
+            vec![spec(&format!("id=d0,image={}", other.display()))],
+            "a read-only image registered writable",
+        ),
+        (
+            vec![spec(&format!("id=d0,image={},format=qcow2", img.display()))],
+            "another format than the domain's",
+        ),
+        (
+            vec![
+                spec(&format!("id=d0,image={}", img.display())),
+                spec(&format!("id=d1,image={},read-only=on", img.display())),
+            ],
+            "one image for two drives (two images permitted)",
+        ),
+    ] {
+        let r = call_as(NOBODY, &vm_sock, &reg(drives))?.expect("connects");
+        assert!(denied(&r), "{why}: {r:?}");
+    }
+    let r = call_as(
+        NOBODY,
+        &vm_sock,
+        &reg(vec![
+            spec(&format!("id=d0,image={}", img.display())),
+            spec(&format!("id=d1,image={},read-only=on", other.display())),
+        ]),
+    )?
+    .expect("connects");
+    assert!(r.ok, "{r:?}");
+    let r = control::call(&root_sock, &Request::Unregister { vm: "pv".into() }, CALL)?;
+    assert!(r.ok, "{r:?}");
+
+    // A directory left by QEMU's user (with a file in it) is not reused for a root VM.
+    let stale = run.join("pv");
+    std::fs::create_dir(&stale)?;
+    std::fs::write(stale.join("planted"), b"x")?;
+    std::os::unix::fs::chown(&stale, Some(NOBODY), Some(NOBODY))?;
+    let r = control::call(&root_sock, &register(&run, "pv", &img), CALL)?;
+    assert!(r.ok, "{r:?}");
+    assert_eq!(owner_mode(&stale), (0, 0o700), "the root VM's directory");
+    assert!(!stale.join("planted").exists(), "the user's file is left");
+    let r = control::call(&root_sock, &Request::Unregister { vm: "pv".into() }, CALL)?;
+    assert!(r.ok, "{r:?}");
     Ok(())
 }

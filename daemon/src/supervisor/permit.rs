@@ -161,6 +161,13 @@ impl Supervisor {
         if images.is_empty() {
             return Err(SupError::Invalid(format!("VM {vm}: no image given")));
         }
+        if let Ok(v) = self.vm(vm) {
+            if v.owner != Some(owner) {
+                return Err(SupError::Exists(format!(
+                    "VM {vm} is registered as another user's"
+                )));
+            }
+        }
         if images.len() > MAX_PERMIT_IMAGES {
             return Err(SupError::Invalid(format!(
                 "VM {vm}: {} images (at most {MAX_PERMIT_IMAGES})",

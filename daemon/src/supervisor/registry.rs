@@ -393,6 +393,26 @@ fn dir_name(dir: &Path) -> String {
 /// The VM's directory: root's, or its QEMU user's (who creates the QMP and NBD sockets in
 /// it); nobody else's.
 pub(super) fn create_owned_dir(dir: &Path, owner: Option<super::Owner>) -> Result<(), SupError> {
+    use std::os::unix::fs::MetadataExt;
+    // A directory left by another owner (a VM whose QEMU ran as another user, who may have
+    // left files, links or sockets in it) is never reused: it goes, with what it holds
+    // (remove_dir_all does not follow links), and a new one is made.
+    let want = owner.map_or((0, 0), |o| (o.uid, o.gid));
+    if let Ok(m) = dir.symlink_metadata() {
+        let mine = m.file_type().is_dir() && (m.uid(), m.gid()) == want;
+        if !mine {
+            let r = if m.file_type().is_dir() {
+                std::fs::remove_dir_all(dir)
+            } else {
+                std::fs::remove_file(dir)
+            };
+            r.map_err(|source| SupError::Io {
+                what: format!("cannot remove {} (another owner's)", dir.display()),
+                source,
+            })?;
+            info!(dir = %dir.display(), uid = m.uid(), "a VM directory of another owner removed");
+        }
+    }
     std::fs::create_dir_all(dir).map_err(|source| SupError::Io {
         what: format!("cannot create {}", dir.display()),
         source,
