@@ -291,3 +291,35 @@ async fn a_link_swapped_during_the_switch_never_opens_another_file() {
     let s = sup.clone();
     let _ = s.unregister("vm", false).await;
 }
+
+/// A call (or kick, or error) descriptor that is no eventfd is refused: a pipe whose reader
+/// never reads fills up, and before the fix the worker's interrupt `write` then blocked for
+/// good (holding the call lock), and so did every stop of that worker and whoever waited
+/// for it. After the refusal the connection still works.
+#[test]
+fn a_call_descriptor_that_is_not_an_eventfd_is_refused() {
+    use std::os::fd::FromRawFd;
+    use vhost::vhost_user::message::VhostUserHeaderFlag;
+    use vhost::VhostBackend;
+    let s = TestServer::start(&ServerOptions::default());
+    let (fe, _) = accel_tests::handshake(&s.socket, 1).unwrap();
+    fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    let mut p = [0; 2];
+    // SAFETY: p has room for the two descriptors pipe2 writes.
+    assert_eq!(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: p[1] is this test's own descriptor, owned once by the wrapper (which only
+    // sends it: the type is what the crate's API takes).
+    let not_an_eventfd = unsafe { vmm_sys_util::eventfd::EventFd::from_raw_fd(p[1]) };
+    for (what, r) in [
+        ("call", fe.set_vring_call(0, &not_an_eventfd)),
+        ("kick", fe.set_vring_kick(0, &not_an_eventfd)),
+        ("err", fe.set_vring_err(0, &not_an_eventfd)),
+    ] {
+        assert!(r.is_err(), "a pipe was taken as the {what} eventfd");
+    }
+    drop(fe);
+    // SAFETY: p[0] is ours.
+    unsafe { libc::close(p[0]) };
+    let mut fe = connect(&s, 1);
+    assert_eq!(fe.request(0, T_OUT, 0, &[3u8; 512], 0).unwrap().0, S_OK);
+}

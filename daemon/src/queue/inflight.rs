@@ -65,7 +65,12 @@ impl InflightRegion {
             });
         }
         // SAFETY: memfd_create with a valid NUL-terminated name.
-        let fd = unsafe { libc::memfd_create(c"accel-inflight".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"accel-inflight".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if fd < 0 {
             return Err(InflightError::Create(std::io::Error::last_os_error()));
         }
@@ -73,6 +78,19 @@ impl InflightRegion {
         let file = unsafe { File::from_raw_fd(fd) };
         let len = queue_region_size(queue_size) * usize::from(num_queues);
         file.set_len(len as u64).map_err(InflightError::Create)?;
+        // Its size is fixed: QEMU keeps the descriptor and cannot shrink the region under
+        // this acceld or the next one (a mapped page past the end is SIGBUS).
+        // SAFETY: fcntl F_ADD_SEALS on our own memfd has no memory effects.
+        let r = unsafe {
+            libc::fcntl(
+                file.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        };
+        if r != 0 {
+            return Err(InflightError::Create(std::io::Error::last_os_error()));
+        }
         Self::map(file, len as u64, 0, num_queues, queue_size)
     }
 

@@ -378,10 +378,26 @@ impl Drop for Connection {
     }
 }
 
-fn file_to_eventfd(f: File) -> EventFd {
-    // SAFETY: the frontend sent an eventfd; we take ownership of the descriptor, which the
-    // File gives up with into_raw_fd, so it is owned exactly once.
-    unsafe { EventFd::from_raw_fd(f.into_raw_fd()) }
+/// A kick, call or error descriptor the front-end sent, if it is an eventfd (anything else,
+/// a full pipe for one, could hold a worker in `write`), made non-blocking: a write to a
+/// counter at its maximum then fails at once instead of waiting for the front-end to read.
+fn file_to_eventfd(f: File) -> VuResult<EventFd> {
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd()))
+        .map_err(VuError::ReqHandlerError)?;
+    if link.as_os_str() != "anon_inode:[eventfd]" {
+        return Err(VuError::InvalidParam);
+    }
+    // SAFETY: fcntl with F_GETFL/F_SETFL on an open descriptor has no memory effects.
+    let ok = unsafe {
+        let fl = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
+        fl >= 0 && libc::fcntl(f.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) == 0
+    };
+    if !ok {
+        return Err(VuError::ReqHandlerError(io::Error::last_os_error()));
+    }
+    // SAFETY: the descriptor is an eventfd (checked above); we take ownership of it, which
+    // the File gives up with into_raw_fd, so it is owned exactly once.
+    Ok(unsafe { EventFd::from_raw_fd(f.into_raw_fd()) })
 }
 
 impl VhostUserBackendReqHandlerMut for Connection {
@@ -543,14 +559,15 @@ impl VhostUserBackendReqHandlerMut for Connection {
                 "polling mode (no kick fd) is not supported",
             ));
         };
+        let ev = file_to_eventfd(fd)?;
         self.stop_queue(index as usize);
-        self.vrings[index as usize].kick = Some(file_to_eventfd(fd));
+        self.vrings[index as usize].kick = Some(ev);
         self.maybe_start(index as usize)
     }
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        let ev = fd.map(file_to_eventfd).transpose()?;
         let v = self.vring(u32::from(index))?;
-        let ev = fd.map(file_to_eventfd);
         // A request completed before this call fd existed may be waiting for an interrupt:
         // one spurious interrupt is harmless, a lost one hangs the guest.
         if v.worker.is_some() {
@@ -563,8 +580,9 @@ impl VhostUserBackendReqHandlerMut for Connection {
     }
 
     fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        let ev = fd.map(file_to_eventfd).transpose()?;
         let v = self.vring(u32::from(index))?;
-        *lock(&v.err) = fd.map(file_to_eventfd);
+        *lock(&v.err) = ev;
         Ok(())
     }
 
@@ -649,6 +667,11 @@ impl VhostUserBackendReqHandlerMut for Connection {
         &mut self,
         inflight: &VhostUserInflight,
     ) -> VuResult<(VhostUserInflight, File)> {
+        // Sized from the front-end's numbers: never more than this device has.
+        let c = self.drive.config();
+        if inflight.num_queues > c.num_queues || inflight.queue_size > c.queue_size {
+            return Err(VuError::InvalidParam);
+        }
         let region = InflightRegion::create(inflight.num_queues, inflight.queue_size)
             .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
         let file = region
@@ -666,6 +689,10 @@ impl VhostUserBackendReqHandlerMut for Connection {
     }
 
     fn set_inflight_fd(&mut self, inflight: &VhostUserInflight, file: File) -> VuResult<()> {
+        let c = self.drive.config();
+        if inflight.num_queues > c.num_queues || inflight.queue_size > c.queue_size {
+            return Err(VuError::InvalidParam);
+        }
         let region = InflightRegion::map(
             file,
             inflight.mmap_size,
