@@ -15,6 +15,7 @@ fn open(path: &Path, io: IoMode) -> FileEngine {
         logical_block_size: 512,
         lock: false,
         io,
+        identity: None,
     })
     .unwrap()
 }

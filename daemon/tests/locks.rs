@@ -13,6 +13,7 @@ fn cfg(path: &std::path::Path) -> FileEngineConfig {
         logical_block_size: 512,
         lock: true,
         io: IoMode::Auto,
+        identity: None,
     }
 }
 

@@ -86,15 +86,43 @@ unsafe impl Send for GuestMem {}
 unsafe impl Sync for GuestMem {}
 
 impl GuestMem {
+    /// A sealed memfd (no shrink, no grow), as QEMU's `memory-backend-memfd` makes it.
     pub fn new(size: usize) -> io::Result<Self> {
+        Self::make(size, true)
+    }
+
+    /// An unsealed memfd: memory its owner can truncate under the back-end.
+    pub fn new_unsealed(size: usize) -> io::Result<Self> {
+        Self::make(size, false)
+    }
+
+    fn make(size: usize, sealed: bool) -> io::Result<Self> {
         // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"accel-guest".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"accel-guest".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: fd is a fresh descriptor we own.
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(size as u64)?;
+        if sealed {
+            // SAFETY: fcntl F_ADD_SEALS on our own memfd has no memory effects.
+            let r = unsafe {
+                libc::fcntl(
+                    file.as_raw_fd(),
+                    libc::F_ADD_SEALS,
+                    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
+                )
+            };
+            if r != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
         // SAFETY: a new shared mapping of our memfd; the result is checked.
         let ptr = unsafe {
             libc::mmap(

@@ -421,6 +421,7 @@ fn the_last_ring_stop_while_logging_hands_the_image_off() {
             logical_block_size: 512,
             lock: true,
             io: IoMode::Uring,
+            identity: None,
         })
         .unwrap(),
     );

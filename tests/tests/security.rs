@@ -323,3 +323,87 @@ fn a_call_descriptor_that_is_not_an_eventfd_is_refused() {
     let mut fe = connect(&s, 1);
     assert_eq!(fe.request(0, T_OUT, 0, &[3u8; 512], 0).unwrap().0, S_OK);
 }
+
+const NOBODY: u32 = 65534;
+
+/// The front-end of [`unsealed_memory_from_a_user_front_end_is_refused`], run as `nobody` in
+/// a child process: a memory table of an unsealed memfd must be refused (its owner could
+/// truncate it under acceld: SIGBUS, the end of every VM's drives), a sealed one taken.
+#[test]
+#[ignore = "run as a child process by unsealed_memory_from_a_user_front_end_is_refused"]
+fn child_front_end_as_nobody() {
+    use vhost::vhost_user::message::VhostUserHeaderFlag;
+    use vhost::{VhostBackend, VhostUserMemoryRegionInfo};
+    let Some(sock) = std::env::var_os("ACCEL_SECURITY_SOCKET") else {
+        return;
+    };
+    assert_eq!(
+        // SAFETY: getuid has no preconditions.
+        unsafe { libc::getuid() },
+        NOBODY
+    );
+    let table = |mem: &accel_tests::GuestMem| VhostUserMemoryRegionInfo {
+        guest_phys_addr: 0,
+        memory_size: mem.len() as u64,
+        userspace_addr: mem.host_addr(),
+        mmap_offset: 0,
+        mmap_handle: mem.file.as_raw_fd(),
+    };
+    let (fe, _) = accel_tests::handshake(std::path::Path::new(&sock), 1).unwrap();
+    fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    let unsealed = accel_tests::GuestMem::new_unsealed(1 << 20).unwrap();
+    assert!(
+        fe.set_mem_table(&[table(&unsealed)]).is_err(),
+        "unsealed memory was mapped"
+    );
+    let sealed = accel_tests::GuestMem::new(1 << 20).unwrap();
+    fe.set_mem_table(&[table(&sealed)])
+        .expect("sealed memory refused");
+    println!("CHILD-OK");
+}
+
+#[test]
+fn unsealed_memory_from_a_user_front_end_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let s = TestServer::start(&ServerOptions::default());
+    std::fs::set_permissions(s.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&s.socket, std::fs::Permissions::from_mode(0o777)).unwrap();
+    // A copy of this test binary that nobody can run wherever the checkout is (CI's may sit
+    // in a directory only root can enter).
+    let exe = s.dir.path().join("security-test");
+    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = std::process::Command::new(&exe)
+        .args([
+            "--exact",
+            "child_front_end_as_nobody",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("ACCEL_SECURITY_SOCKET", &s.socket)
+        .current_dir("/")
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success() && text.contains("CHILD-OK"), "{text}");
+    // A root front-end (QEMU as root) may still use any shared memory it maps.
+    let (fe, _) = accel_tests::handshake(&s.socket, 1).unwrap();
+    fe.set_hdr_flags(vhost::vhost_user::message::VhostUserHeaderFlag::NEED_REPLY);
+    let unsealed = accel_tests::GuestMem::new_unsealed(1 << 20).unwrap();
+    use vhost::VhostBackend;
+    fe.set_mem_table(&[vhost::VhostUserMemoryRegionInfo {
+        guest_phys_addr: 0,
+        memory_size: unsealed.len() as u64,
+        userspace_addr: unsealed.host_addr(),
+        mmap_offset: 0,
+        mmap_handle: unsealed.file.as_raw_fd(),
+    }])
+    .expect("root's memory table");
+}

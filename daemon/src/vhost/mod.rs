@@ -115,7 +115,8 @@ impl Mapping {
     /// Maps one region the frontend sent (SET_MEM_TABLE or ADD_MEM_REGION). A region that
     /// reaches past the end of its file is refused: touching a mapped page past the end of a
     /// file is SIGBUS, which would end acceld and every drive it serves.
-    fn new(r: &VhostUserMemoryRegion, file: File) -> VuResult<Self> {
+    fn new(r: &VhostUserMemoryRegion, file: File, untrusted: bool) -> VuResult<Self> {
+        check_sealed(&file, untrusted)?;
         let meta = file.metadata().map_err(VuError::ReqHandlerError)?;
         let end = r.mmap_offset.checked_add(r.memory_size);
         if meta.file_type().is_file() && end.is_none_or(|e| e > meta.len()) {
@@ -172,6 +173,9 @@ pub struct Connection {
     fatal: bool,
     /// When the switchover's first ring stop began (see `note_switchover_stop`).
     stop_started: Option<std::time::Instant>,
+    /// The front-end does not run as root: the memory it maps into acceld must be sealed
+    /// (see [`check_sealed`]).
+    untrusted: bool,
 }
 
 impl Connection {
@@ -190,6 +194,7 @@ impl Connection {
             log: DirtyLog::new(),
             fatal: false,
             stop_started: None,
+            untrusted: false,
         }
     }
 
@@ -381,6 +386,23 @@ impl Drop for Connection {
 /// A kick, call or error descriptor the front-end sent, if it is an eventfd (anything else,
 /// a full pipe for one, could hold a worker in `write`), made non-blocking: a write to a
 /// counter at its maximum then fails at once instead of waiting for the front-end to read.
+/// Memory a front-end that does not run as root maps into acceld (guest RAM, the dirty log,
+/// the inflight region) must be a memfd sealed against shrinking: a region its owner could
+/// truncate after acceld mapped it makes acceld's next access SIGBUS, which would end every
+/// VM's drives. QEMU's `memory-backend-memfd` seals by default, and so are its dirty log and
+/// acceld's own inflight region. A root front-end is trusted as far as root already is.
+fn check_sealed(f: &File, untrusted: bool) -> VuResult<()> {
+    if !untrusted {
+        return Ok(());
+    }
+    // SAFETY: fcntl F_GET_SEALS on an open descriptor has no memory effects.
+    let seals = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(VuError::InvalidParam);
+    }
+    Ok(())
+}
+
 fn file_to_eventfd(f: File) -> VuResult<EventFd> {
     let link = std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd()))
         .map_err(VuError::ReqHandlerError)?;
@@ -472,7 +494,7 @@ impl VhostUserBackendReqHandlerMut for Connection {
         let maps = ctx
             .iter()
             .zip(files)
-            .map(|(r, f)| Mapping::new(r, f))
+            .map(|(r, f)| Mapping::new(r, f, self.untrusted))
             .collect::<VuResult<Vec<_>>>()?;
         self.maps = maps;
         self.rebuild_memory()?;
@@ -693,6 +715,7 @@ impl VhostUserBackendReqHandlerMut for Connection {
         if inflight.num_queues > c.num_queues || inflight.queue_size > c.queue_size {
             return Err(VuError::InvalidParam);
         }
+        check_sealed(&file, self.untrusted)?;
         let region = InflightRegion::map(
             file,
             inflight.mmap_size,
@@ -730,7 +753,7 @@ impl VhostUserBackendReqHandlerMut for Connection {
         if self.maps.len() as u64 >= MAX_MEM_SLOTS {
             return Err(VuError::InvalidParam);
         }
-        self.maps.push(Mapping::new(region, fd)?);
+        self.maps.push(Mapping::new(region, fd, self.untrusted)?);
         if let Err(e) = self.rebuild_memory() {
             self.maps.pop();
             return Err(e);
@@ -773,6 +796,11 @@ impl VhostUserBackendReqHandlerMut for Connection {
     }
 
     fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> VuResult<()> {
+        if let Err(e) = check_sealed(&file, self.untrusted) {
+            // As for a log that cannot be mapped: the frontend waits for no reply.
+            self.fatal = true;
+            return Err(e);
+        }
         match LogMap::map(&file, log.mmap_size, log.mmap_offset) {
             Ok(m) => {
                 if let Some(n) = self.drive.stats.log.vhost.admit() {
@@ -873,6 +901,8 @@ impl Server {
                 continue;
             };
             self.connections += 1;
+            let peer = peer_uid(handler.as_raw_fd());
+            lock(&conn).untrusted = peer != Some(0);
             // A frontend that sends half a message (or stops reading replies) must not hold
             // this thread forever: QEMU sends each message whole.
             if let Err(e) = set_socket_timeouts(handler.as_raw_fd(), MESSAGE_TIMEOUT) {
@@ -945,6 +975,27 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
+}
+
+/// The uid of the process at the other end of a unix socket (`SO_PEERCRED`).
+fn peer_uid(fd: RawFd) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of a ucred and its size for the call.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &raw mut len,
+        )
+    };
+    (r == 0).then_some(cred.uid)
 }
 
 /// Longest wait for the rest of a vhost-user message, or for the frontend to take a reply.
