@@ -81,28 +81,6 @@ pub fn suppressed(n: u64) -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::{Duration, Instant};
-
-    #[test]
-    fn a_burst_then_a_count_then_a_new_window() {
-        let l = LogLimit::new(2, Duration::from_secs(10));
-        let t0 = Instant::now();
-        assert_eq!(l.admit_at(t0), Some(0));
-        assert_eq!(l.admit_at(t0), Some(0));
-        for _ in 0..1000 {
-            assert_eq!(l.admit_at(t0 + Duration::from_secs(1)), None);
-        }
-        assert_eq!(l.admit_at(t0 + Duration::from_secs(10)), Some(1000));
-        assert_eq!(l.admit_at(t0 + Duration::from_secs(11)), Some(0));
-        assert_eq!(l.admit_at(t0 + Duration::from_secs(12)), None);
-        assert_eq!(suppressed(0), "");
-        assert_eq!(suppressed(3), " (3 similar lines suppressed)");
-    }
-}
-
 /// Whether something listens on the unix socket at `path`, asked without blocking: a
 /// listener whose backlog is full (one that never accepts, planted by whoever owns the
 /// directory) counts as listening instead of holding the caller in `connect`. A path that
@@ -205,4 +183,45 @@ pub fn close_inherited_fds() -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Sets or clears `O_NONBLOCK` on `fd` (shared by every descriptor of the open file).
+pub fn set_nonblocking(fd: std::os::fd::RawFd, on: bool) -> std::io::Result<()> {
+    // SAFETY: fcntl F_GETFL on a descriptor has no memory effects.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if fl < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let want = if on {
+        fl | libc::O_NONBLOCK
+    } else {
+        fl & !libc::O_NONBLOCK
+    };
+    // SAFETY: fcntl F_SETFL on a descriptor has no memory effects.
+    if want != fl && unsafe { libc::fcntl(fd, libc::F_SETFL, want) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_burst_then_a_count_then_a_new_window() {
+        let l = LogLimit::new(2, Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert_eq!(l.admit_at(t0), Some(0));
+        assert_eq!(l.admit_at(t0), Some(0));
+        for _ in 0..1000 {
+            assert_eq!(l.admit_at(t0 + Duration::from_secs(1)), None);
+        }
+        assert_eq!(l.admit_at(t0 + Duration::from_secs(10)), Some(1000));
+        assert_eq!(l.admit_at(t0 + Duration::from_secs(11)), Some(0));
+        assert_eq!(l.admit_at(t0 + Duration::from_secs(12)), None);
+        assert_eq!(suppressed(0), "");
+        assert_eq!(suppressed(3), " (3 similar lines suppressed)");
+    }
 }

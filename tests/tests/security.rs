@@ -52,12 +52,21 @@ fn send_with_fds(sock: &UnixStream, request: u32, fds: &[RawFd]) -> std::io::Res
     msg.msg_controllen = space;
     // SAFETY: msg_control points at cbuf, big enough for one header and the fds (above).
     let c = unsafe { libc::CMSG_FIRSTHDR(&raw const msg) };
-    // SAFETY: c points at the first cmsghdr inside cbuf.
-    unsafe {
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as usize;
-        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<RawFd>(), fds.len());
+    // SAFETY: CMSG_LEN only computes a length.
+    let clen = unsafe { libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) } as usize;
+    // SAFETY: c points at the first cmsghdr inside cbuf (zeroed, large enough).
+    let h = unsafe { &mut *c };
+    h.cmsg_level = libc::SOL_SOCKET;
+    h.cmsg_type = libc::SCM_RIGHTS;
+    h.cmsg_len = clen;
+    // SAFETY: c is a valid cmsghdr; CMSG_DATA points at its payload inside cbuf.
+    let data = unsafe { libc::CMSG_DATA(c) }.cast::<RawFd>();
+    for (i, fd) in fds.iter().enumerate() {
+        // Pointer arithmetic only: i < fds.len() keeps it inside the payload.
+        let p = data.wrapping_add(i);
+        // SAFETY: the payload has room for fds.len() descriptors (CMSG_SPACE above);
+        // unaligned, as the payload has no alignment guarantee.
+        unsafe { p.write_unaligned(*fd) };
     }
     // SAFETY: msg points at live buffers of the lengths given.
     let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &raw const msg, libc::MSG_NOSIGNAL) };
@@ -102,10 +111,9 @@ fn a_flood_of_descriptors_leaves_none_open() {
     assert_eq!(fe.request(0, T_IN, 0, &[], 512).unwrap().1, vec![7u8; 512]);
     let after = copies_of(r);
     drop(fe);
-    // SAFETY: r and w are this test's own descriptors, closed once.
-    unsafe {
-        libc::close(r);
-        libc::close(w);
+    for fd in [r, w] {
+        // SAFETY: the test's own descriptors, closed once.
+        unsafe { libc::close(fd) };
     }
     assert_eq!(after, before, "descriptors acceld received were left open");
 }

@@ -100,8 +100,7 @@ fn installed_fds(msg: &libc::msghdr) -> Vec<RawFd> {
             let base = unsafe { libc::CMSG_LEN(0) } as usize;
             let count = (h.cmsg_len as usize).saturating_sub(base) / std::mem::size_of::<RawFd>();
             // Never past the control data the kernel filled.
-            let room =
-                (msg.msg_controllen as usize).saturating_sub(base) / std::mem::size_of::<RawFd>();
+            let room = msg.msg_controllen.saturating_sub(base) / std::mem::size_of::<RawFd>();
             let count = count.min(room);
             // SAFETY: c is a valid cmsghdr; CMSG_DATA points at its payload.
             let data = unsafe { libc::CMSG_DATA(c) }.cast::<RawFd>();

@@ -409,14 +409,7 @@ fn file_to_eventfd(f: File) -> VuResult<EventFd> {
     if link.as_os_str() != "anon_inode:[eventfd]" {
         return Err(VuError::InvalidParam);
     }
-    // SAFETY: fcntl with F_GETFL/F_SETFL on an open descriptor has no memory effects.
-    let ok = unsafe {
-        let fl = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
-        fl >= 0 && libc::fcntl(f.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) == 0
-    };
-    if !ok {
-        return Err(VuError::ReqHandlerError(io::Error::last_os_error()));
-    }
+    crate::util::set_nonblocking(f.as_raw_fd(), true).map_err(VuError::ReqHandlerError)?;
     // SAFETY: the descriptor is an eventfd (checked above); we take ownership of it, which
     // the File gives up with into_raw_fd, so it is owned exactly once.
     Ok(unsafe { EventFd::from_raw_fd(f.into_raw_fd()) })

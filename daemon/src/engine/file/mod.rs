@@ -106,14 +106,7 @@ fn open_flags(path: &Path, flags: libc::c_int, no_symlinks: bool) -> io::Result<
 
 /// Clears `O_NONBLOCK` (set by [`open_flags`]) once the file is known to be an image.
 fn clear_nonblock(f: &File) -> io::Result<()> {
-    // SAFETY: fcntl on an open descriptor with F_GETFL/F_SETFL has no memory effects.
-    unsafe {
-        let fl = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
-        if fl < 0 || libc::fcntl(f.as_raw_fd(), libc::F_SETFL, fl & !libc::O_NONBLOCK) < 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
+    crate::util::set_nonblocking(f.as_raw_fd(), false)
 }
 
 impl FileEngineConfig {
