@@ -204,6 +204,27 @@ pub fn set_nonblocking(fd: std::os::fd::RawFd, on: bool) -> std::io::Result<()> 
     Ok(())
 }
 
+/// The uid of the process at the other end of a unix socket (`SO_PEERCRED`).
+pub fn peer_uid(fd: std::os::fd::RawFd) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of a ucred and its size for the call.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &raw mut len,
+        )
+    };
+    (r == 0).then_some(cred.uid)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

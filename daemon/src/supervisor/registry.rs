@@ -153,6 +153,13 @@ impl Supervisor {
         owner: Option<super::Owner>,
     ) -> Result<Arc<ManagedDrive>, SupError> {
         let spec = sd.spec;
+        if !spec.image.exists() {
+            return Err(SupError::Invalid(format!(
+                "drive {}: image {} does not exist",
+                spec.id,
+                spec.image.display()
+            )));
+        }
         // The image as registered: saved with the drive, else the permit's (QEMU not root),
         // else resolved now (root's registration).
         let image = match sd.image {
@@ -174,13 +181,6 @@ impl Supervisor {
                 None => super::permit::ImageRef::resolve(&spec.image)?,
             },
         };
-        if !spec.image.exists() {
-            return Err(SupError::Invalid(format!(
-                "drive {}: image {} does not exist",
-                spec.id,
-                spec.image.display()
-            )));
-        }
         let size = if spec.format == "raw" {
             image_size(&spec.image).map_err(|source| SupError::Io {
                 what: format!("cannot read the size of {}", spec.image.display()),

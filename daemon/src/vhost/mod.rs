@@ -894,7 +894,7 @@ impl Server {
                 continue;
             };
             self.connections += 1;
-            let peer = peer_uid(handler.as_raw_fd());
+            let peer = crate::util::peer_uid(handler.as_raw_fd());
             lock(&conn).untrusted = peer != Some(0);
             // A frontend that sends half a message (or stops reading replies) must not hold
             // this thread forever: QEMU sends each message whole.
@@ -968,27 +968,6 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
-}
-
-/// The uid of the process at the other end of a unix socket (`SO_PEERCRED`).
-fn peer_uid(fd: RawFd) -> Option<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are valid for writes of a ucred and its size for the call.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&raw mut cred).cast(),
-            &raw mut len,
-        )
-    };
-    (r == 0).then_some(cred.uid)
 }
 
 /// Longest wait for the rest of a vhost-user message, or for the frontend to take a reply.

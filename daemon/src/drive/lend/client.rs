@@ -396,23 +396,7 @@ impl Probe {
 
 /// The user of the process at the other end of `sock` (SO_PEERCRED).
 fn peer_uid_of(sock: &UnixStream) -> Option<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are valid for writes of a ucred and its size for the call.
-    let r = unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&raw mut cred).cast(),
-            &raw mut len,
-        )
-    };
-    (r == 0).then_some(cred.uid)
+    crate::util::peer_uid(sock.as_raw_fd())
 }
 
 fn state(index: u32, num: u32) -> [u8; 8] {
