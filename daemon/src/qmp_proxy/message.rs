@@ -16,6 +16,7 @@ pub enum Next {
 
 /// Takes the next JSON value off the front of `buf` (QMP is a stream of JSON values; newlines
 /// and other whitespace between them do not matter).
+#[cfg(test)]
 pub fn next(buf: &mut Vec<u8>) -> Next {
     let (n, used) = parse_front(buf);
     buf.drain(..used);
