@@ -154,7 +154,7 @@ impl FakeQemu {
     }
 
     /// Sends an event (`{"event": name, "data": data}` with a timestamp) on every connection.
-    pub fn emit(&self, name: &str, data: Value) {
+    pub fn emit(&self, name: &str, data: &Value) {
         let ev =
             json!({"event": name, "data": data, "timestamp": {"seconds": 1, "microseconds": 2}});
         let conns = lock(&self.model).conns.clone();

@@ -201,7 +201,7 @@ async fn a_client_that_does_not_read_its_events_is_dropped() {
     for batch in 0..8 {
         for i in 0..500 {
             env.fake
-                .emit("TEST_EVENT", json!({"batch": batch, "i": i, "pad": pad}));
+                .emit("TEST_EVENT", &json!({"batch": batch, "i": i, "pad": pad}));
         }
         loop {
             let m = reader.recv().await.expect("the reading client stays");
@@ -261,4 +261,55 @@ async fn a_client_cannot_name_another_clients_fd() {
         "a command naming another client's fd reached QEMU: {:?}",
         env.fake.log()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn management_nbd_server_cannot_take_acceld_sockets() {
+    let env = setup(false).await;
+    let mut c = Client::negotiated(&env.monitor, false).await;
+    let vm_dir = env.monitor.parent().unwrap().to_path_buf();
+    let run_dir = vm_dir.parent().unwrap().to_path_buf();
+    let start = |path: String| {
+        json!({"execute": "nbd-server-start",
+               "arguments": {"addr": {"type": "unix", "data": {"path": path}}}, "id": 1})
+    };
+    // acceld's own upstream (started by the first nbd-server-start if no drive needed it).
+    let r = c
+        .cmd(start(vm_dir.join("nbd.sock").display().to_string()))
+        .await;
+    assert_eq!(r["error"]["class"], "GenericError", "{r}");
+    assert!(vm_dir.join("nbd.sock").exists(), "acceld's socket stays");
+    std::os::unix::fs::symlink(vm_dir.join("d0.sock"), vm_dir.join("link.sock")).unwrap();
+    std::fs::write(vm_dir.join("file.sock"), b"x").unwrap();
+    let spelled = format!("{}/../vm/monitor.sock", vm_dir.display());
+    for p in [
+        vm_dir.join("monitor.sock").display().to_string(),
+        vm_dir.join("d0.sock").display().to_string(),
+        vm_dir.join("control.sock").display().to_string(),
+        vm_dir.join("qemu-qmp.sock").display().to_string(),
+        vm_dir.join("link.sock").display().to_string(),
+        vm_dir.join("file.sock").display().to_string(),
+        run_dir.join("acceld.sock").display().to_string(),
+        env.fake.qmp_path.display().to_string(),
+        spelled,
+    ] {
+        let r = c.cmd(start(p.clone())).await;
+        assert_eq!(r["error"]["class"], "GenericError", "{p}: {r}");
+        let desc = r["error"]["desc"].as_str().unwrap();
+        assert!(desc.starts_with("Failed to bind socket to"), "{p}: {desc}");
+    }
+    assert_eq!(std::fs::read(vm_dir.join("file.sock")).unwrap(), b"x");
+    assert!(std::fs::symlink_metadata(vm_dir.join("link.sock"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    // The drive and the proxy still work: their sockets were not taken.
+    assert!(std::os::unix::net::UnixStream::connect(vm_dir.join("d0.sock")).is_ok());
+    let (_c2, g) = Client::connect(&env.monitor).await;
+    assert!(g.get("QMP").is_some(), "{g}");
+    // Management's own path in the VM's directory is fine.
+    let r = c
+        .cmd(start(vm_dir.join("mgmt.sock").display().to_string()))
+        .await;
+    assert_eq!(r["return"], json!({}), "{r}");
 }

@@ -30,6 +30,7 @@ mod hold;
 mod intercept;
 mod message;
 mod nbd;
+mod nbd_filter;
 mod synth;
 mod throttle;
 
