@@ -79,7 +79,14 @@ impl Read for Deadline<'_> {
             ));
         }
         self.s.set_read_timeout(Some(left))?;
-        (&mut &*self.s).read(buf)
+        match (&mut &*self.s).read(buf) {
+            // SO_RCVTIMEO expired: EAGAIN.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "NBD handshake took too long",
+            )),
+            r => r,
+        }
     }
 }
 
