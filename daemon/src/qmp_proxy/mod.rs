@@ -8,7 +8,13 @@
 //! answer for nothing go to `intercept` (docs/qmp-proxy.md).
 //!
 //! File descriptors (SCM_RIGHTS) go to QEMU with the `getfd`/`add-fd` that claims them, fd
-//! names kept apart per client (`fds`). Not yet: `exec-oob` (the greeting offers no `oob`).
+//! names kept apart per client (`fds`). `exec-oob` is offered when QEMU offers it.
+//!
+//! Clients are untrusted (docs/security-proxy.md): at most [`MAX_CLIENTS`] per VM, at most
+//! [`MAX_OOB_INFLIGHT`] `exec-oob` in flight per client (then the client is not read until one
+//! completes), messages framed in linear time up to `MAX_MESSAGE`, and a client that does not
+//! read (a write waits longer than `CLIENT_WRITE_TIMEOUT`, or it falls behind QEMU's events) is
+//! dropped. Nothing a client does waits on another client's socket.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
