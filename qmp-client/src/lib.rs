@@ -32,8 +32,16 @@ pub mod commands;
 pub mod wire;
 
 use wire::MAX_LINE;
-/// Events buffered per subscriber before it is told it lagged.
-const EVENT_BUFFER: usize = 4096;
+/// Events buffered per subscriber before it is told it lagged. With [`MAX_EVENT`], what a
+/// peer can make acceld hold in events is bounded (1024 × 64 KiB per connection).
+const EVENT_BUFFER: usize = 1024;
+/// Longest event line passed on; a longer one is dropped (QEMU's events are a few hundred
+/// bytes; a peer that sends more is not QEMU).
+pub const MAX_EVENT: usize = 64 << 10;
+/// Longest greeting accepted (QEMU's is about 150 bytes).
+pub const MAX_GREETING: usize = 64 << 10;
+/// Longest wait for the greeting after the connect (QEMU greets at once, even under `-S`).
+pub const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Error, Clone)]
 pub enum QmpError {
@@ -122,8 +130,16 @@ pub struct Handshake {
     peer_uid: Option<u32>,
 }
 
-/// Connects and reads the greeting.
+/// Connects and reads the greeting (within [`GREETING_TIMEOUT`]).
 pub async fn connect(path: &Path) -> Result<Handshake, QmpError> {
+    connect_within(path, GREETING_TIMEOUT).await
+}
+
+/// [`connect`], the greeting due within `greeting_timeout`.
+pub async fn connect_within(
+    path: &Path,
+    greeting_timeout: Duration,
+) -> Result<Handshake, QmpError> {
     let stream = UnixStream::connect(path)
         .await
         .map_err(|e| QmpError::Connect {
@@ -133,9 +149,15 @@ pub async fn connect(path: &Path) -> Result<Handshake, QmpError> {
     let peer_uid = stream.peer_cred().ok().map(|c| c.uid());
     let (r, w) = stream.into_split();
     let mut reader = BufReader::new(r);
-    let v = read_message(&mut reader)
-        .await?
-        .ok_or_else(|| QmpError::Closed(Some("before the greeting".into())))?;
+    // A peer that never greets, or greets without end, must not hold acceld.
+    let v = tokio::time::timeout(greeting_timeout, read_message(&mut reader, MAX_GREETING))
+        .await
+        .map_err(|_| QmpError::Timeout {
+            command: "the greeting".into(),
+            timeout: greeting_timeout,
+        })??
+        .ok_or_else(|| QmpError::Closed(Some("before the greeting".into())))?
+        .0;
     let qmp = v
         .get("QMP")
         .ok_or_else(|| QmpError::Protocol(format!("expected a greeting, got {v}")))?;
@@ -214,9 +236,10 @@ impl Handshake {
         }
         write_message(&mut self.writer, &msg).await?;
         loop {
-            let v = read_message(&mut self.reader)
+            let v = read_message(&mut self.reader, MAX_LINE)
                 .await?
-                .ok_or_else(|| QmpError::Closed(Some("during negotiation".into())))?;
+                .ok_or_else(|| QmpError::Closed(Some("during negotiation".into())))?
+                .0;
             if v.get("event").is_some() {
                 continue;
             }
@@ -242,21 +265,30 @@ fn qemu_error(command: &str, e: &Value) -> QmpError {
     }
 }
 
-async fn read_message(r: &mut BufReader<OwnedReadHalf>) -> Result<Option<Value>, QmpError> {
+/// The next message and its length on the wire; at most `max` bytes are read for a line.
+async fn read_message(
+    r: &mut BufReader<OwnedReadHalf>,
+    max: usize,
+) -> Result<Option<(Value, usize)>, QmpError> {
     let mut line = Vec::new();
     loop {
         line.clear();
         let n = (&mut *r)
-            .take(MAX_LINE as u64 + 1)
+            .take(max as u64 + 1)
             .read_until(b'\n', &mut line)
             .await
             .map_err(|e| QmpError::Io(Arc::new(e)))?;
         if n == 0 {
             return Ok(None);
         }
+        if n > max {
+            return Err(QmpError::Protocol(format!(
+                "message longer than {max} bytes"
+            )));
+        }
         match wire::decode_line(&line)? {
             None => continue,
-            Some(v) => return Ok(Some(v)),
+            Some(v) => return Ok(Some((v, n))),
         }
     }
 }
@@ -533,10 +565,10 @@ impl Qmp {
 
 async fn reader_task(mut r: BufReader<OwnedReadHalf>, inner: Arc<Inner>) {
     let reason = loop {
-        match read_message(&mut r).await {
+        match read_message(&mut r, MAX_LINE).await {
             Ok(None) => break "QEMU closed the socket".to_string(),
             Err(e) => break e.to_string(),
-            Ok(Some(v)) => dispatch(&inner, v),
+            Ok(Some((v, len))) => dispatch(&inner, v, len),
         }
     };
     debug!(path = %inner.path.display(), %reason, "QMP reader ended");
@@ -548,8 +580,13 @@ async fn reader_task(mut r: BufReader<OwnedReadHalf>, inner: Arc<Inner>) {
     }
 }
 
-fn dispatch(inner: &Inner, v: Value) {
+fn dispatch(inner: &Inner, v: Value, len: usize) {
     match wire::classify(v) {
+        wire::Message::Event(ev) if len > MAX_EVENT => {
+            if admit_warning() {
+                warn!(event = %ev.name, len, "QMP event longer than {MAX_EVENT} bytes dropped");
+            }
+        }
         wire::Message::Event(mut ev) => {
             ev.seq = inner.events_sent.load(Ordering::Relaxed) + 1;
             // No subscriber is fine: nobody asked for events.

@@ -35,6 +35,14 @@ struct Model {
     before_reply: HashMap<String, Box<dyn FnOnce() + Send>>,
     log: Vec<String>,
     nbd_path: Option<PathBuf>,
+    /// Offer `oob` in the greeting.
+    oob: bool,
+    /// Answer no `exec-oob` until released (ids kept, per connection).
+    hold_oob: bool,
+    held: Vec<(Value, Arc<Mutex<UnixStream>>)>,
+    oob_seen: usize,
+    /// Every QMP connection's writer (events go to all).
+    conns: Vec<Arc<Mutex<UnixStream>>>,
 }
 
 pub struct FakeQemu {
@@ -128,17 +136,74 @@ impl FakeQemu {
         self.nbd_up.store(up, Ordering::Relaxed);
     }
 
+    /// Offer `oob` to connections made from now on.
+    pub fn set_oob(&self, on: bool) {
+        lock(&self.model).oob = on;
+    }
+
+    /// Hold every `exec-oob` reply until [`FakeQemu::release_oob`].
+    pub fn hold_oob(&self, on: bool) {
+        lock(&self.model).hold_oob = on;
+    }
+
+    /// Answers the held `exec-oob` commands (`{}` each), and stops holding.
+    pub fn release_oob(&self) {
+        let held = {
+            let mut m = lock(&self.model);
+            m.hold_oob = false;
+            std::mem::take(&mut m.held)
+        };
+        for (id, w) in held {
+            let _ = writeln!(lock(&w), "{}", json!({"return": {}, "id": id}));
+        }
+    }
+
+    /// How many `exec-oob` commands arrived.
+    pub fn oob_seen(&self) -> usize {
+        lock(&self.model).oob_seen
+    }
+
+    /// Sends an event (`{"event": name, "data": data}` with a timestamp) on every connection.
+    pub fn emit(&self, name: &str, data: &Value) {
+        let ev =
+            json!({"event": name, "data": data, "timestamp": {"seconds": 1, "microseconds": 2}});
+        let conns = lock(&self.model).conns.clone();
+        for w in conns {
+            let _ = writeln!(lock(&w), "{ev}");
+        }
+    }
+
     fn serve_qmp(&self, s: UnixStream) {
-        let mut w = s.try_clone().expect("clone");
-        let greeting = json!({"QMP": {"version": {"qemu": {"major": 10, "minor": 0, "micro": 2}, "package": "fake"}, "capabilities": []}});
-        if writeln!(w, "{greeting}").is_err() {
+        let w = Arc::new(Mutex::new(s.try_clone().expect("clone")));
+        let caps = if lock(&self.model).oob {
+            json!(["oob"])
+        } else {
+            json!([])
+        };
+        let greeting = json!({"QMP": {"version": {"qemu": {"major": 10, "minor": 0, "micro": 2}, "package": "fake"}, "capabilities": caps}});
+        if writeln!(lock(&w), "{greeting}").is_err() {
             return;
         }
+        lock(&self.model).conns.push(w.clone());
         for line in BufReader::new(s).lines().map_while(Result::ok) {
             let Ok(req) = serde_json::from_str::<Value>(&line) else {
                 continue;
             };
             let id = req["id"].clone();
+            if let Some(cmd) = req["exec-oob"].as_str() {
+                let mut m = lock(&self.model);
+                m.oob_seen += 1;
+                m.log.push(format!("oob:{cmd}"));
+                if m.hold_oob {
+                    m.held.push((id, w.clone()));
+                    continue;
+                }
+                drop(m);
+                if writeln!(lock(&w), "{}", json!({"return": {}, "id": id})).is_err() {
+                    return;
+                }
+                continue;
+            }
             let cmd = req["execute"].as_str().unwrap_or_default().to_string();
             let args = req["arguments"].clone();
             let result = self.exec(&cmd, &args);
@@ -150,7 +215,7 @@ impl FakeQemu {
                 Ok(v) => json!({"return": v, "id": id}),
                 Err((class, desc)) => json!({"error": {"class": class, "desc": desc}, "id": id}),
             };
-            if writeln!(w, "{reply}").is_err() {
+            if writeln!(lock(&w), "{reply}").is_err() {
                 return;
             }
         }
@@ -165,7 +230,7 @@ impl FakeQemu {
         let generic = |d: String| ("GenericError", d);
         let s = |k: &str| a[k].as_str().unwrap_or_default().to_string();
         match cmd {
-            "qmp_capabilities" | "cont" | "qom-set" => Ok(json!({})),
+            "qmp_capabilities" | "cont" | "qom-set" | "getfd" | "closefd" => Ok(json!({})),
             "query-status" => Ok(json!({"status": "running", "running": true})),
             "query-migrate" => Ok(json!({})),
             "query-block" => Ok(json!([])),

@@ -1,8 +1,10 @@
 //! File descriptors from management: received with a client's bytes (SCM_RIGHTS), passed on
 //! to QEMU with the `getfd` or `add-fd` that claims them, and fd names kept apart per client.
 //! QEMU's `getfd` names belong to one monitor, and all clients share acceld's monitor, so a
-//! client's name `N` is `cK:N` in QEMU; the proxy rewrites the name where commands refer to it
-//! (`fdname`, `fd`, `str`, `fd:N`, `/dev/fdname/N`) and restores it in QEMU's errors.
+//! client's name `N` is `acceld.fd.K.N` in QEMU; the proxy rewrites the name where commands
+//! refer to it (`fdname`, `fd`, `str`, `fd:N`, `/dev/fdname/N`) and restores it in QEMU's
+//! errors. The namespace is unforgeable: a command with [`MARKER`] anywhere in its arguments
+//! (another client's name spelled out, in any field or HMP text) is refused ([`forged`]).
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -42,6 +44,36 @@ fn recv(sock: i32, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
     accel_api::fdpass::recv(sock, buf)
 }
 
+/// What every client's names in QEMU start with; no client may send it.
+pub const MARKER: &str = "acceld.fd.";
+
+/// The first string in `args` (values at any depth, and keys) that contains [`MARKER`]: a
+/// client naming an fd in the proxy's own namespace, which only another client's could be.
+pub fn forged(args: &Option<Map<String, Value>>) -> Option<String> {
+    fn walk(v: &Value) -> Option<String> {
+        match v {
+            Value::String(s) => s.contains(MARKER).then(|| s.clone()),
+            Value::Array(l) => l.iter().find_map(walk),
+            Value::Object(m) => m.iter().find_map(|(k, x)| {
+                if k.contains(MARKER) {
+                    Some(k.clone())
+                } else {
+                    walk(x)
+                }
+            }),
+            _ => None,
+        }
+    }
+    let a = args.as_ref()?;
+    a.iter().find_map(|(k, x)| {
+        if k.contains(MARKER) {
+            Some(k.clone())
+        } else {
+            walk(x)
+        }
+    })
+}
+
 /// A client's fd names and their names in QEMU.
 #[derive(Debug, Default)]
 pub struct Names {
@@ -53,7 +85,7 @@ pub struct Names {
 impl Names {
     pub fn new(client: u64) -> Self {
         Names {
-            prefix: format!("c{client}:"),
+            prefix: format!("{MARKER}{client}."),
             held: Vec::new(),
         }
     }
@@ -122,7 +154,7 @@ mod tests {
         let mut n = Names::new(3);
         let mut a = args(json!({"fdname": "mig"}));
         n.rewrite("getfd", &mut a);
-        assert_eq!(a.unwrap()["fdname"], "c3:mig");
+        assert_eq!(a.unwrap()["fdname"], "acceld.fd.3.mig");
         n.held.push("mig".into());
         let mut a = args(
             json!({"uri": "fd:mig", "channels": [{"addr": {"type": "fd", "str": "mig"}}],
@@ -130,13 +162,33 @@ mod tests {
         );
         n.rewrite("migrate", &mut a);
         let a = a.unwrap();
-        assert_eq!(a["uri"], "fd:c3:mig");
-        assert_eq!(a["channels"][0]["addr"]["str"], "c3:mig");
+        assert_eq!(a["uri"], "fd:acceld.fd.3.mig");
+        assert_eq!(a["channels"][0]["addr"]["str"], "acceld.fd.3.mig");
         assert_eq!(a["other"], "mig", "only where a name is expected");
         assert_eq!(a["x"], "fd:nope", "names the client does not hold stay");
         assert_eq!(
-            n.restore("File descriptor named 'c3:mig' not found"),
+            n.restore("File descriptor named 'acceld.fd.3.mig' not found"),
             "File descriptor named 'mig' not found"
         );
+    }
+
+    #[test]
+    fn another_clients_names_cannot_be_spelled_out() {
+        // Client 4 names client 3's fd the way QEMU knows it, in every place a name goes.
+        let mine = Names::new(4);
+        let other = Names::new(3).upstream("mig");
+        for a in [
+            json!({"uri": format!("fd:{other}")}),
+            json!({"channels": [{"addr": {"type": "fd", "str": other}}]}),
+            json!({"filename": format!("/dev/fdname/{other}")}),
+            json!({"fdname": other}),
+            json!({"command-line": format!("migrate -d fd:{other}")}),
+        ] {
+            let mut a = args(a);
+            mine.rewrite("migrate", &mut a);
+            assert!(forged(&a).is_some(), "{a:?} passes");
+        }
+        assert_eq!(forged(&args(json!({"uri": "fd:mig", "n": 1}))), None);
+        assert_eq!(forged(&None), None);
     }
 }

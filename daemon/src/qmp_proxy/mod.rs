@@ -8,7 +8,13 @@
 //! answer for nothing go to `intercept` (docs/qmp-proxy.md).
 //!
 //! File descriptors (SCM_RIGHTS) go to QEMU with the `getfd`/`add-fd` that claims them, fd
-//! names kept apart per client (`fds`). Not yet: `exec-oob` (the greeting offers no `oob`).
+//! names kept apart per client (`fds`). `exec-oob` is offered when QEMU offers it.
+//!
+//! Clients are untrusted (docs/security-proxy.md): at most [`MAX_CLIENTS`] per VM, at most
+//! [`MAX_OOB_INFLIGHT`] `exec-oob` in flight per client (then the client is not read until one
+//! completes), messages framed in linear time up to `MAX_MESSAGE`, and a client that does not
+//! read (a write waits longer than `CLIENT_WRITE_TIMEOUT`, or it falls behind QEMU's events) is
+//! dropped. Nothing a client does waits on another client's socket.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -30,6 +36,7 @@ mod hold;
 mod intercept;
 mod message;
 mod nbd;
+mod nbd_filter;
 mod synth;
 mod throttle;
 
@@ -47,7 +54,19 @@ pub use message::{check_request, Request, Shape};
 
 /// Largest message a client may send (QEMU's own parser allows 64 MiB per token; no
 /// management command comes close to this).
-const MAX_MESSAGE: usize = 16 << 20;
+const MAX_MESSAGE: usize = 4 << 20;
+
+/// Clients of one VM's proxy at once; one more is told so and closed (QEMU would not greet
+/// it at all).
+pub const MAX_CLIENTS: usize = 16;
+
+/// `exec-oob` commands of one client in flight at once; beyond it the proxy stops reading
+/// the client until one completes.
+pub const MAX_OOB_INFLIGHT: usize = 8;
+
+/// Longest one write to a client may wait for the client to read: a client that does not
+/// read its replies and events is dropped then.
+const CLIENT_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A forwarded command may take long (savevm, a big transaction): QEMU's own monitor has no
 /// timeout at all.
@@ -79,15 +98,26 @@ pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
     let clients = Arc::new(AtomicU64::new(0));
     let log = Arc::new(LogLimit::default());
     let shared = Arc::new(Shared::default());
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CLIENTS));
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tokio::select! {
             r = listener.accept() => match r {
                 Ok((stream, _)) => {
+                    let Ok(slot) = slots.clone().try_acquire_owned() else {
+                        if let Some(k) = log.admit() {
+                            warn!(vm = %vm, "QMP proxy: more than {MAX_CLIENTS} clients: refusing one{}", crate::util::suppressed(k));
+                        }
+                        tokio::spawn(refuse(stream));
+                        continue;
+                    };
                     let n = clients.fetch_add(1, Ordering::Relaxed);
                     let ctx = intercept::Ctx { sup: sup.clone(), vm: vm.clone(), shared: shared.clone() };
                     let l = log.clone();
-                    tokio::spawn(async move { client(ctx, n, stream, l).await });
+                    tokio::spawn(async move {
+                        client(ctx, n, stream, l).await;
+                        drop(slot);
+                    });
                 }
                 Err(e) => {
                     if let Some(n) = log.admit() {
@@ -108,12 +138,56 @@ pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
     }
 }
 
-type Writer = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
+/// A client over [`MAX_CLIENTS`]: an error instead of a greeting, and closed.
+async fn refuse(mut stream: UnixStream) {
+    let e = error_reply(
+        "GenericError",
+        &format!("acceld's QMP proxy: too many clients on this monitor (at most {MAX_CLIENTS})"),
+        None,
+    );
+    let mut line = serde_json::to_vec(&e).expect("JSON values serialize");
+    line.extend_from_slice(b"\r\n");
+    let _ = tokio::time::timeout(CLIENT_WRITE_TIMEOUT, stream.write_all(&line)).await;
+}
+
+/// A client's write side, and its end: a write that fails or waits too long ends the client.
+struct ClientOut {
+    w: tokio::sync::Mutex<OwnedWriteHalf>,
+    dead: AtomicBool,
+    gone: tokio::sync::Notify,
+}
+
+type Writer = Arc<ClientOut>;
+
+impl ClientOut {
+    fn kill(&self) {
+        self.dead.store(true, Ordering::Release);
+        self.gone.notify_waiters();
+    }
+    async fn killed(&self) {
+        let n = self.gone.notified();
+        if self.dead.load(Ordering::Acquire) {
+            return;
+        }
+        n.await
+    }
+}
 
 async fn send(w: &Writer, v: &Value) -> bool {
+    if w.dead.load(Ordering::Acquire) {
+        return false;
+    }
     let mut line = serde_json::to_vec(v).expect("JSON values serialize");
     line.extend_from_slice(b"\r\n");
-    w.lock().await.write_all(&line).await.is_ok()
+    let ok = tokio::time::timeout(CLIENT_WRITE_TIMEOUT, async {
+        w.w.lock().await.write_all(&line).await.is_ok()
+    })
+    .await
+    .unwrap_or(false);
+    if !ok {
+        w.kill();
+    }
+    ok
 }
 
 /// `{"error": …}` with the client's id (when it gave one).
@@ -171,7 +245,11 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
         "capabilities": if oob_offered { json!(["oob"]) } else { json!([]) }
     }});
     let (rd, wr) = stream.into_split();
-    let w: Writer = Arc::new(tokio::sync::Mutex::new(wr));
+    let w: Writer = Arc::new(ClientOut {
+        w: tokio::sync::Mutex::new(wr),
+        dead: AtomicBool::new(false),
+        gone: tokio::sync::Notify::new(),
+    });
     if !send(&w, &greeting).await {
         return;
     }
@@ -203,7 +281,8 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
         let (ctx, w) = (ctx.again(), w.clone());
         tokio::spawn(async move { inband(ctx, w, st, rx).await })
     };
-    let mut buf: Vec<u8> = Vec::new();
+    let mut framer = message::Framer::default();
+    let oob_slots = Arc::new(tokio::sync::Semaphore::new(MAX_OOB_INFLIGHT));
     let mut chunk = vec![0u8; 64 * 1024];
     let mut pending_fds = std::collections::VecDeque::new();
     // QEMU's monitor closes when QEMU ends, and so does the proxy's: libvirt learns that its
@@ -221,16 +300,22 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
                 debug!(vm = %vm, client = n, "QEMU's monitor closed: closing the client");
                 break 'read;
             }
+            _ = w.killed() => {
+                if let Some(k) = log.admit() {
+                    warn!(vm = %vm, client = n, "QMP proxy client does not read its replies and events: dropped{}", crate::util::suppressed(k));
+                }
+                break 'read;
+            }
         };
         let got = match r {
             Ok(0) | Err(_) => break,
             Ok(k) => k,
         };
-        buf.extend_from_slice(&chunk[..got]);
+        framer.push(&chunk[..got]);
         loop {
-            let job = match message::next(&mut buf) {
+            let job = match framer.next() {
                 message::Next::More => {
-                    if buf.len() > MAX_MESSAGE {
+                    if framer.pending() > MAX_MESSAGE {
                         if let Some(k) = log.admit() {
                             warn!(vm = %vm, client = n, "QMP message longer than {MAX_MESSAGE} bytes: closing{}", crate::util::suppressed(k));
                         }
@@ -241,11 +326,19 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
                 message::Next::ParseError(desc) => Inband::ParseError(desc),
                 message::Next::Value(v) => {
                     if oob_on.load(Ordering::Acquire) && v.get("exec-oob").is_some() {
+                        // Backpressure: at most MAX_OOB_INFLIGHT at once; the client's next
+                        // bytes wait in its socket until one completes.
+                        let slot = tokio::select! {
+                            s = oob_slots.clone().acquire_owned() => s.expect("never closed"),
+                            _ = w.killed() => break 'read,
+                            _ = &mut upstream_gone => break 'read,
+                        };
                         let (ctx, w) = (ctx.again(), w.clone());
                         tokio::spawn(async move {
                             if let Some(r) = out_of_band(&ctx, v).await {
                                 send(&w, &r).await;
                             }
+                            drop(slot);
                         });
                         continue;
                     }
@@ -266,10 +359,24 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
         }
     }
     drop(tx);
+    if w.dead.load(Ordering::Acquire) {
+        // A dropped client sees its end now, not when its last command is done.
+        shutdown(&rd);
+    }
     // The commands already read still run (QEMU's would); then the client's state goes.
     let _ = worker.await;
     events.abort();
+    shutdown(&rd);
     debug!(vm = %vm, client = n, "QMP proxy client gone");
+}
+
+/// Ends both directions of a client's socket (the write half may still be held by a task
+/// that finishes a command).
+fn shutdown(rd: &tokio::net::unix::OwnedReadHalf) {
+    use std::os::fd::AsRawFd;
+    let s: &UnixStream = rd.as_ref();
+    // SAFETY: shutdown(2) on the socket `rd` keeps open; it touches no memory.
+    unsafe { libc::shutdown(s.as_raw_fd(), libc::SHUT_RDWR) };
 }
 
 /// In-band messages waiting for their turn (QEMU queues 8 and then stops reading a monitor;
@@ -381,6 +488,17 @@ async fn handle(
         return Some(run_oob(ctx, req).await);
     }
     let name = req.execute.as_str();
+    if let Some(s) = fds::forged(&req.arguments) {
+        // Only another client's fd could have this name: as if it did not exist.
+        return Some(error_reply(
+            "GenericError",
+            &format!(
+                "acceld's QMP proxy: '{s}': names containing '{}' are reserved",
+                fds::MARKER
+            ),
+            id,
+        ));
+    }
     let mut args = req.arguments.clone();
     st.names.rewrite(name, &mut args);
     let r = match name {
@@ -516,8 +634,18 @@ async fn forward_events(
                         return;
                     }
                 }
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(k)) => {
+                    // More events wait for this client than acceld keeps: it does not read.
+                    // QEMU would buffer without bound; the proxy drops the client instead of
+                    // losing events silently.
                     handled.fetch_max(qmp.events_sent(), Ordering::Release);
+                    if negotiated.load(Ordering::Acquire) {
+                        if let Some(n) = log.admit() {
+                            warn!(vm = %vm, missed = k, "QMP proxy client fell behind QEMU's events{}", crate::util::suppressed(n));
+                        }
+                        w.kill();
+                        return;
+                    }
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
             }

@@ -15,6 +15,62 @@ use tracing::{debug, info};
 
 use super::forward;
 use super::intercept::Ctx;
+use super::nbd_filter;
+
+/// Connections of management's NBD server at once, whatever `max-connections` says (each is
+/// a connection to QEMU and a task in acceld).
+const MAX_CONNS: u64 = 64;
+/// Longest the option phase of one connection may take (QEMU's own server allows 10 s).
+const NEGOTIATION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Why a unix path for management's server is refused: one of acceld's own sockets (or a
+/// link, or not a socket), whose removal and re-binding would loop the proxy into acceld's
+/// own upstream or take a socket acceld serves. QEMU-style text.
+fn refused_path(ctx: &Ctx, upstream: &std::path::Path, path: &str) -> Option<String> {
+    let p = std::path::Path::new(path);
+    let in_use = || {
+        Some(format!(
+            "Failed to bind socket to {path}: Address already in use"
+        ))
+    };
+    if let Ok(m) = std::fs::symlink_metadata(p) {
+        use std::os::unix::fs::FileTypeExt;
+        if !m.file_type().is_socket() {
+            // A link, or a file that is no socket: QEMU's bind would fail on it too (acceld
+            // does not remove it).
+            return in_use();
+        }
+    }
+    // The same file whatever the spelling: compare the canonical directory and the name.
+    let canon = |q: &std::path::Path| -> Option<PathBuf> {
+        let dir = q.parent().filter(|d| !d.as_os_str().is_empty())?;
+        Some(std::fs::canonicalize(dir).ok()?.join(q.file_name()?))
+    };
+    let want = canon(p)?;
+    let vm_dir = ctx.sup.cfg.run_dir.join(&ctx.vm);
+    let mut own: Vec<PathBuf> = vec![
+        upstream.to_path_buf(),
+        ctx.sup.monitor_socket(&ctx.vm),
+        vm_dir.join("control.sock"),
+        vm_dir.join("qemu-qmp.sock"),
+        vm_dir.join("nbd.sock"),
+        ctx.sup.cfg.control_socket(),
+    ];
+    if let Ok(q) = ctx.sup.vm_qmp(&ctx.vm) {
+        own.push(q.path().to_path_buf());
+    }
+    for d in ctx.drives() {
+        own.push(d.socket.clone());
+        own.push(vm_dir.join(format!("{}.sock", d.drive)));
+        own.push(vm_dir.join(format!("lend-{}.sock", d.drive)));
+    }
+    let hit = own
+        .iter()
+        .any(|o| canon(o).is_some_and(|c| c == want) || o == p);
+    hit.then(|| {
+        format!("Failed to bind socket to {path}: acceld's QMP proxy: the path is one of acceld's own sockets")
+    })
+}
 
 type Reply = Result<Value, (String, String)>;
 
@@ -120,6 +176,9 @@ pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
                     )));
                 }
             }
+            if let Some(e) = refused_path(ctx, &upstream, path) {
+                return Err(generic(e));
+            }
             let _ = std::fs::remove_file(path);
             let l = UnixListener::bind(path).map_err(|e| {
                 generic(format!("Failed to bind socket to {path}: {e}"))
@@ -182,7 +241,12 @@ async fn serve(l: Listener, upstream: PathBuf, max: u64) {
                 }
             },
         };
-        if max > 0 && conns.len() as u64 >= max {
+        let cap = if max > 0 {
+            max.min(MAX_CONNS)
+        } else {
+            MAX_CONNS
+        };
+        if conns.len() as u64 >= cap {
             // QEMU stops listening at the limit; a client past it is closed at once.
             drop(client);
             continue;
@@ -192,7 +256,19 @@ async fn serve(l: Listener, upstream: PathBuf, max: u64) {
             let mut client = client;
             match UnixStream::connect(&up).await {
                 Ok(mut server) => {
-                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    // acceld's own exports do not exist for management (nbd_filter).
+                    let r = tokio::time::timeout(
+                        NEGOTIATION_TIMEOUT,
+                        nbd_filter::negotiate(&mut client, &mut server),
+                    )
+                    .await;
+                    match r {
+                        Ok(Ok(())) => {
+                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                        }
+                        Ok(Err(e)) => debug!("management NBD client: {e}"),
+                        Err(_) => debug!("management NBD client: option phase too long"),
+                    }
                 }
                 Err(e) => debug!("management NBD client: QEMU's server: {e}"),
             }

@@ -54,6 +54,42 @@ fn read_option_reply(r: &mut impl Read, opt: u32) -> Result<(u32, Vec<u8>), NbdE
     Ok((typ, data))
 }
 
+/// Most replies to one option a server may send before its final one (QEMU sends 2–4 INFO
+/// replies to NBD_OPT_GO).
+const MAX_OPT_REPLIES: usize = 32;
+/// Longest the whole handshake may take: a server that trickles bytes cannot hold the
+/// connecting thread longer.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Reads from the socket until a deadline: every read gets the time left as its timeout.
+struct Deadline<'a> {
+    s: &'a UnixStream,
+    until: std::time::Instant,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self
+            .until
+            .saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "NBD handshake took too long",
+            ));
+        }
+        self.s.set_read_timeout(Some(left))?;
+        match (&mut &*self.s).read(buf) {
+            // SO_RCVTIMEO expired: EAGAIN.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "NBD handshake took too long",
+            )),
+            r => r,
+        }
+    }
+}
+
 /// Whether an NBD server greets on `path` (a fixed-newstyle greeting within `timeout`). The
 /// connection is dropped before any option is sent.
 pub fn greets(path: &Path, timeout: Duration) -> bool {
@@ -72,12 +108,24 @@ pub fn greets(path: &Path, timeout: Duration) -> bool {
 /// Connects to `path` and negotiates `export`; returns the connection, ready for
 /// transmission, and the export's parameters.
 pub fn connect(path: &Path, export: &str) -> Result<(UnixStream, ExportInfo), NbdError> {
-    let mut s = UnixStream::connect(path).map_err(|source| NbdError::Connect {
+    connect_within(path, export, HANDSHAKE_TIMEOUT)
+}
+
+fn connect_within(
+    path: &Path,
+    export: &str,
+    timeout: Duration,
+) -> Result<(UnixStream, ExportInfo), NbdError> {
+    let sock = UnixStream::connect(path).map_err(|source| NbdError::Connect {
         path: path.to_path_buf(),
         source,
     })?;
-    s.set_read_timeout(Some(SEND_TIMEOUT))?;
-    s.set_write_timeout(Some(SEND_TIMEOUT))?;
+    sock.set_write_timeout(Some(SEND_TIMEOUT))?;
+    let mut s = Deadline {
+        s: &sock,
+        until: std::time::Instant::now() + timeout,
+    };
+    let mut w = &sock;
     let magic = rd_u64(&mut s)?;
     let opt_magic = rd_u64(&mut s)?;
     if magic != NBDMAGIC || opt_magic != IHAVEOPT {
@@ -92,9 +140,9 @@ pub fn connect(path: &Path, export: &str) -> Result<(UnixStream, ExportInfo), Nb
         ));
     }
     let cflags = u32::from(FLAG_FIXED_NEWSTYLE | (hflags & FLAG_NO_ZEROES));
-    s.write_all(&cflags.to_be_bytes())?;
+    w.write_all(&cflags.to_be_bytes())?;
 
-    send_option(&mut s, OPT_STRUCTURED_REPLY, &[])?;
+    send_option(&mut w, OPT_STRUCTURED_REPLY, &[])?;
     let (typ, _) = read_option_reply(&mut s, OPT_STRUCTURED_REPLY)?;
     let structured = typ == REP_ACK;
 
@@ -103,11 +151,18 @@ pub fn connect(path: &Path, export: &str) -> Result<(UnixStream, ExportInfo), Nb
     go.extend_from_slice(export.as_bytes());
     go.extend_from_slice(&1u16.to_be_bytes());
     go.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
-    send_option(&mut s, OPT_GO, &go)?;
+    send_option(&mut w, OPT_GO, &go)?;
     let mut size = None;
     let mut flags = 0;
     let mut max_payload = DEFAULT_MAX_PAYLOAD;
+    let mut replies = 0;
     loop {
+        replies += 1;
+        if replies > MAX_OPT_REPLIES {
+            return Err(NbdError::Protocol(format!(
+                "more than {MAX_OPT_REPLIES} replies to NBD_OPT_GO"
+            )));
+        }
         let (typ, data) = read_option_reply(&mut s, OPT_GO)?;
         if typ & REP_ERR_BIT != 0 {
             return Err(NbdError::Refused {
@@ -139,9 +194,9 @@ pub fn connect(path: &Path, export: &str) -> Result<(UnixStream, ExportInfo), Nb
     }
     let size =
         size.ok_or_else(|| NbdError::Protocol("NBD_OPT_GO ended without export info".into()))?;
-    s.set_read_timeout(None)?;
+    sock.set_read_timeout(None)?;
     Ok((
-        s,
+        sock,
         ExportInfo {
             size,
             flags,
@@ -157,4 +212,115 @@ pub(super) fn disconnect(s: &UnixStream) {
     req[6..8].copy_from_slice(&CMD_DISC.to_be_bytes());
     let _ = (&*s).write_all(&req);
     let _ = s.shutdown(std::net::Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    /// A hostile NBD server: greets, acks structured replies, then answers NBD_OPT_GO with
+    /// `info` for every reply until the client hangs up.
+    fn hostile(
+        info: impl Fn(&mut UnixStream) -> io::Result<()> + Send + 'static,
+    ) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("nbd.sock");
+        let l = UnixListener::bind(&p).unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut g = Vec::new();
+            g.extend_from_slice(&NBDMAGIC.to_be_bytes());
+            g.extend_from_slice(&IHAVEOPT.to_be_bytes());
+            g.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+            s.write_all(&g).unwrap();
+            let _ = rd_u32(&mut s);
+            let mut opt = [0u8; 16];
+            s.read_exact(&mut opt).unwrap();
+            reply(&mut s, OPT_STRUCTURED_REPLY, REP_ACK, &[]).unwrap();
+            let mut go = [0u8; 16];
+            s.read_exact(&mut go).unwrap();
+            let len = u32::from_be_bytes(go[12..16].try_into().unwrap());
+            let mut data = vec![0; len as usize];
+            s.read_exact(&mut data).unwrap();
+            while info(&mut s).is_ok() {}
+        });
+        (dir, p)
+    }
+
+    fn reply(s: &mut UnixStream, opt: u32, typ: u32, data: &[u8]) -> io::Result<()> {
+        let mut m = Vec::new();
+        m.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
+        m.extend_from_slice(&opt.to_be_bytes());
+        m.extend_from_slice(&typ.to_be_bytes());
+        m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        m.extend_from_slice(data);
+        s.write_all(&m)
+    }
+
+    /// `connect` in a thread: its result, or None if it did not return within 20 s.
+    fn try_connect(
+        p: std::path::PathBuf,
+        timeout: Duration,
+    ) -> Option<Result<(UnixStream, ExportInfo), NbdError>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(connect_within(&p, "x", timeout));
+        });
+        rx.recv_timeout(Duration::from_secs(20)).ok()
+    }
+
+    #[test]
+    fn endless_info_replies_are_refused() {
+        let (_d, p) = hostile(|s| {
+            let mut d = vec![0u8; 14];
+            d[1] = INFO_BLOCK_SIZE as u8;
+            reply(s, OPT_GO, REP_INFO, &d)
+        });
+        match try_connect(p, HANDSHAKE_TIMEOUT).expect("the handshake must end") {
+            Err(NbdError::Protocol(m)) => assert!(m.contains("replies"), "{m}"),
+            other => panic!("expected a protocol error, got {:?}", other.map(|c| c.1)),
+        }
+    }
+
+    #[test]
+    fn a_huge_info_length_is_refused() {
+        let (_d, p) = hostile(|s| {
+            let mut m = Vec::new();
+            m.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
+            m.extend_from_slice(&OPT_GO.to_be_bytes());
+            m.extend_from_slice(&REP_INFO.to_be_bytes());
+            m.extend_from_slice(&u32::MAX.to_be_bytes());
+            s.write_all(&m)?;
+            // Then nothing: the client must not wait for 4 GiB.
+            std::thread::sleep(Duration::from_secs(30));
+            Err(io::ErrorKind::Other.into())
+        });
+        match try_connect(p, HANDSHAKE_TIMEOUT).expect("the handshake must end") {
+            Err(NbdError::Protocol(m)) => assert!(m.contains("bytes"), "{m}"),
+            other => panic!("expected a protocol error, got {:?}", other.map(|c| c.1)),
+        }
+    }
+
+    #[test]
+    fn a_trickling_server_hits_the_handshake_deadline() {
+        // One byte of an INFO reply at a time, each well within any per-read timeout.
+        let (_d, p) = hostile(|s| {
+            let mut m = Vec::new();
+            m.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
+            m.extend_from_slice(&OPT_GO.to_be_bytes());
+            m.extend_from_slice(&REP_INFO.to_be_bytes());
+            m.extend_from_slice(&(MAX_OPT_REPLY).to_be_bytes());
+            s.write_all(&m)?;
+            for _ in 0..MAX_OPT_REPLY {
+                s.write_all(&[0])?;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Ok(())
+        });
+        match try_connect(p, Duration::from_millis(500)).expect("the handshake must end") {
+            Err(NbdError::Io(e)) => assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}"),
+            other => panic!("expected a timeout, got {:?}", other.map(|c| c.1)),
+        }
+    }
 }
