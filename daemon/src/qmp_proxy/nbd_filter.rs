@@ -13,27 +13,12 @@
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
-const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
-const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
-
-const OPT_EXPORT_NAME: u32 = 1;
-const OPT_ABORT: u32 = 2;
-const OPT_LIST: u32 = 3;
-const OPT_STARTTLS: u32 = 5;
-const OPT_INFO: u32 = 6;
-const OPT_GO: u32 = 7;
-const OPT_LIST_META_CONTEXT: u32 = 9;
-const OPT_SET_META_CONTEXT: u32 = 10;
-
-const REP_ACK: u32 = 1;
-const REP_SERVER: u32 = 2;
-const REP_INFO: u32 = 3;
-const REP_META_CONTEXT: u32 = 4;
-const REP_ERR_POLICY: u32 = 0x8000_0002;
-const REP_ERR_INVALID: u32 = 0x8000_0003;
-const REP_ERR_UNKNOWN: u32 = 0x8000_0006;
-const REP_ERR_TOO_BIG: u32 = 0x8000_0009;
+use crate::engine::nbd::proto::{
+    IHAVEOPT, NBDMAGIC, OPT_ABORT, OPT_EXPORT_NAME, OPT_GO, OPT_INFO, OPT_LIST,
+    OPT_LIST_META_CONTEXT, OPT_REPLY_MAGIC, OPT_SET_META_CONTEXT, OPT_STARTTLS, REP_ACK,
+    REP_ERR_INVALID, REP_ERR_POLICY, REP_ERR_TOO_BIG, REP_ERR_UNKNOWN, REP_INFO, REP_META_CONTEXT,
+    REP_SERVER,
+};
 
 /// Longest option data a client may send (names are at most 4096 bytes; a GO or a
 /// meta-context query list fits easily).
@@ -65,7 +50,7 @@ async fn reply(
     data: &[u8],
 ) -> std::io::Result<()> {
     let mut m = Vec::with_capacity(20 + data.len());
-    m.extend_from_slice(&REPLY_MAGIC.to_be_bytes());
+    m.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
     m.extend_from_slice(&opt.to_be_bytes());
     m.extend_from_slice(&typ.to_be_bytes());
     m.extend_from_slice(&(data.len() as u32).to_be_bytes());
@@ -145,7 +130,7 @@ where
         loop {
             let mut r = [0u8; 20];
             server.read_exact(&mut r).await?;
-            if u64::from_be_bytes(r[..8].try_into().expect("8")) != REPLY_MAGIC {
+            if u64::from_be_bytes(r[..8].try_into().expect("8")) != OPT_REPLY_MAGIC {
                 return Err(FilterError::Server("bad option reply magic".into()));
             }
             let ropt = u32::from_be_bytes(r[8..12].try_into().expect("4"));
@@ -258,7 +243,10 @@ mod tests {
     async fn rep(s: &mut UnixStream) -> (u32, u32, Vec<u8>) {
         let mut h = [0u8; 20];
         s.read_exact(&mut h).await.unwrap();
-        assert_eq!(u64::from_be_bytes(h[..8].try_into().unwrap()), REPLY_MAGIC);
+        assert_eq!(
+            u64::from_be_bytes(h[..8].try_into().unwrap()),
+            OPT_REPLY_MAGIC
+        );
         let o = u32::from_be_bytes(h[8..12].try_into().unwrap());
         let t = u32::from_be_bytes(h[12..16].try_into().unwrap());
         let n = u32::from_be_bytes(h[16..20].try_into().unwrap());

@@ -31,18 +31,20 @@ use crate::engine::{Engine, EngineError, EngineKind, QueueIo};
 use crate::util::lock;
 
 mod handshake;
+pub mod proto;
 mod queue;
 mod reader;
 pub mod reply;
 
 use handshake::disconnect;
 pub use handshake::{connect, greets};
+use proto::{
+    IHAVEOPT, NBDMAGIC, OPT_GO, OPT_REPLY_MAGIC, OPT_STRUCTURED_REPLY, REP_ACK, REP_ERR_BIT,
+    REP_INFO,
+};
 use queue::{Conn, ConnState, Link, NbdQueue};
 use reader::connect_thread;
 
-const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"
-const IHAVEOPT: u64 = 0x4948_4156_454f_5054; // "IHAVEOPT"
-const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
 const REQUEST_MAGIC: u32 = 0x2560_9513;
 const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
 const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
@@ -50,11 +52,6 @@ const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
 const FLAG_FIXED_NEWSTYLE: u16 = 1;
 const FLAG_NO_ZEROES: u16 = 2;
 
-const OPT_GO: u32 = 7;
-const OPT_STRUCTURED_REPLY: u32 = 8;
-const REP_ACK: u32 = 1;
-const REP_INFO: u32 = 3;
-const REP_ERR_BIT: u32 = 1 << 31;
 const INFO_EXPORT: u16 = 0;
 const INFO_BLOCK_SIZE: u16 = 3;
 
