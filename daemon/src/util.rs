@@ -81,54 +81,8 @@ pub fn suppressed(n: u64) -> String {
     }
 }
 
-/// Whether something listens on the unix socket at `path`, asked without blocking: a
-/// listener whose backlog is full (one that never accepts, planted by whoever owns the
-/// directory) counts as listening instead of holding the caller in `connect`. A path that
-/// is no socket, or a socket nobody serves, is not in use.
-pub fn socket_listening(path: &std::path::Path) -> bool {
-    use std::os::unix::ffi::OsStrExt;
-    let bytes = path.as_os_str().as_bytes();
-    // SAFETY: sockaddr_un is plain old data; all-zero is a valid empty address.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
-        return false;
-    }
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
-        *d = *s as libc::c_char;
-    }
-    // SAFETY: socket() has no memory preconditions; the result is checked.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if fd < 0 {
-        return false;
-    }
-    // SAFETY: fd was just created and is owned here alone.
-    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-    // SAFETY: addr is a valid sockaddr_un that outlives the call; the length is its size.
-    let r = unsafe {
-        libc::connect(
-            std::os::fd::AsRawFd::as_raw_fd(&fd),
-            (&raw const addr).cast(),
-            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
-        )
-    };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN)
-}
-
-/// Connects to the unix socket at `path`, waiting at most `timeout` for room in its backlog
-/// (a unix `connect` waits up to the socket's send timeout: a listener that never accepts
-/// cannot hold the caller longer).
-pub fn connect_unix(
-    path: &std::path::Path,
-    timeout: std::time::Duration,
-) -> std::io::Result<std::os::unix::net::UnixStream> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+/// The address of the unix socket at `path`.
+fn unix_addr(path: &std::path::Path) -> std::io::Result<libc::sockaddr_un> {
     use std::os::unix::ffi::OsStrExt;
     let bytes = path.as_os_str().as_bytes();
     // SAFETY: sockaddr_un is plain old data; all-zero is a valid empty address.
@@ -143,33 +97,80 @@ pub fn connect_unix(
     for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
         *d = *s as libc::c_char;
     }
+    Ok(addr)
+}
+
+/// A new, unconnected unix stream socket (`SOCK_CLOEXEC`, with `extra` flags such as
+/// `SOCK_NONBLOCK`).
+fn unix_socket(extra: libc::c_int) -> std::io::Result<std::os::unix::net::UnixStream> {
+    use std::os::fd::{FromRawFd, OwnedFd};
     // SAFETY: socket() has no memory preconditions; the result is checked.
-    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | extra,
+            0,
+        )
+    };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: fd was just created and is owned here alone.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let stream = std::os::unix::net::UnixStream::from(fd);
-    stream.set_write_timeout(Some(timeout.max(std::time::Duration::from_millis(1))))?;
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) }.into())
+}
+
+/// Connects `s` to `addr`, again when a signal interrupts the wait.
+fn unix_connect(
+    s: &std::os::unix::net::UnixStream,
+    addr: &libc::sockaddr_un,
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
     loop {
         // SAFETY: addr is a valid sockaddr_un that outlives the call; the length is its size.
         let r = unsafe {
             libc::connect(
-                stream.as_raw_fd(),
-                (&raw const addr).cast(),
+                s.as_raw_fd(),
+                std::ptr::from_ref(addr).cast(),
                 std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
             )
         };
         if r == 0 {
-            stream.set_write_timeout(None)?;
-            return Ok(stream);
+            return Ok(());
         }
         let e = std::io::Error::last_os_error();
         if e.kind() != std::io::ErrorKind::Interrupted {
             return Err(e);
         }
     }
+}
+
+/// Whether something listens on the unix socket at `path`, asked without blocking: a
+/// listener whose backlog is full (one that never accepts, planted by whoever owns the
+/// directory) counts as listening instead of holding the caller in `connect`. A path that
+/// is no socket, or a socket nobody serves, is not in use.
+pub fn socket_listening(path: &std::path::Path) -> bool {
+    let (Ok(addr), Ok(s)) = (unix_addr(path), unix_socket(libc::SOCK_NONBLOCK)) else {
+        return false;
+    };
+    match unix_connect(&s, &addr) {
+        Ok(()) => true,
+        Err(e) => e.raw_os_error() == Some(libc::EAGAIN),
+    }
+}
+
+/// Connects to the unix socket at `path`, waiting at most `timeout` for room in its backlog
+/// (a unix `connect` waits up to the socket's send timeout: a listener that never accepts
+/// cannot hold the caller longer).
+pub fn connect_unix(
+    path: &std::path::Path,
+    timeout: std::time::Duration,
+) -> std::io::Result<std::os::unix::net::UnixStream> {
+    let addr = unix_addr(path)?;
+    let s = unix_socket(0)?;
+    s.set_write_timeout(Some(timeout.max(std::time::Duration::from_millis(1))))?;
+    unix_connect(&s, &addr)?;
+    s.set_write_timeout(None)?;
+    Ok(s)
 }
 
 /// For a child between fork and exec: closes every descriptor above stderr, so that none

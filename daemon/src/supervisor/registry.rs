@@ -124,7 +124,7 @@ impl Supervisor {
         create_owned_dir(&dir, owner)?;
         let mut slots = BTreeMap::new();
         for sd in drives {
-            match self.start_drive(&dir, sd, owner) {
+            match self.start_drive(&name, &dir, sd, owner) {
                 Ok(s) => {
                     slots.insert(s.spec.id.clone(), s);
                 }
@@ -148,6 +148,7 @@ impl Supervisor {
 
     fn start_drive(
         &self,
+        vm: &str,
         dir: &Path,
         sd: SavedDrive,
         owner: Option<super::Owner>,
@@ -164,20 +165,19 @@ impl Supervisor {
         // else resolved now (root's registration).
         let image = match sd.image {
             Some(i) => i,
-            None => match owner.and_then(|_| self.permit_of(&dir_name(dir))) {
-                Some(p) => {
-                    let real = std::fs::canonicalize(&spec.image).ok();
-                    p.images
-                        .into_iter()
-                        .find(|i| Some(&i.path) == real.as_ref())
-                        .ok_or_else(|| {
-                            SupError::Denied(format!(
-                                "drive {}: image {} is not one of the domain's images",
-                                spec.id,
-                                spec.image.display()
-                            ))
-                        })?
-                }
+            // check_permitted made the drive's image path the permitted (canonical) one.
+            None => match owner.and_then(|_| self.permit_of(vm)) {
+                Some(p) => p
+                    .images
+                    .into_iter()
+                    .find(|i| i.path == spec.image)
+                    .ok_or_else(|| {
+                        SupError::Denied(format!(
+                            "drive {}: image {} is not one of the domain's images",
+                            spec.id,
+                            spec.image.display()
+                        ))
+                    })?,
                 None => super::permit::ImageRef::resolve(&spec.image)?,
             },
         };
@@ -381,13 +381,6 @@ impl Supervisor {
             attaching: Some(true),
         })
     }
-}
-
-/// The VM's name, from its directory `RUN_DIR/VM`.
-fn dir_name(dir: &Path) -> String {
-    dir.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default()
 }
 
 /// The VM's directory: root's, or its QEMU user's (who creates the QMP and NBD sockets in

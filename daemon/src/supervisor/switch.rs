@@ -38,8 +38,7 @@ impl Target {
     }
 }
 
-/// How the direct engine opens a drive's image.
-/// The direct engine's configuration: the registered image (never the path QEMU reported,
+/// How the direct engine opens a drive's image: the registered image (never the path QEMU reported,
 /// which [`super::permit::check_qemu_image`] compared with it), opened by identity.
 pub(super) fn file_config(
     drive: &DriveSpec,

@@ -129,7 +129,7 @@ impl Client {
             },
         )?;
         if let Some(want) = peer_uid {
-            let got = peer_uid_of(&sock);
+            let got = crate::util::peer_uid(sock.as_raw_fd());
             if got != Some(want) {
                 return Err(ClientError::Peer {
                     path: path.to_path_buf(),
@@ -392,11 +392,6 @@ impl Probe {
         }
         self.0.reply(GET_FEATURES, 8).map(|_| true)
     }
-}
-
-/// The user of the process at the other end of `sock` (SO_PEERCRED).
-fn peer_uid_of(sock: &UnixStream) -> Option<u32> {
-    crate::util::peer_uid(sock.as_raw_fd())
 }
 
 fn state(index: u32, num: u32) -> [u8; 8] {

@@ -47,24 +47,18 @@ pub struct ImageId {
 }
 
 impl ImageId {
-    /// The identity of an open file.
-    pub fn of_file(f: &File) -> io::Result<Self> {
+    /// The identity of the file `m` describes.
+    pub fn of(m: &std::fs::Metadata) -> Self {
         use std::os::unix::fs::MetadataExt;
-        let m = f.metadata()?;
-        Ok(ImageId {
+        ImageId {
             dev: m.dev(),
             ino: m.ino(),
-        })
+        }
     }
 
     /// The identity of the file `path` names now (links followed).
     pub fn of_path(path: &Path) -> io::Result<Self> {
-        use std::os::unix::fs::MetadataExt;
-        let m = std::fs::metadata(path)?;
-        Ok(ImageId {
-            dev: m.dev(),
-            ino: m.ino(),
-        })
+        Ok(Self::of(&std::fs::metadata(path)?))
     }
 }
 
@@ -102,11 +96,6 @@ fn open_flags(path: &Path, flags: libc::c_int, no_symlinks: bool) -> io::Result<
     }
     // SAFETY: fd was just opened and is owned by nobody else.
     Ok(unsafe { File::from_raw_fd(fd as libc::c_int) })
-}
-
-/// Clears `O_NONBLOCK` (set by [`open_flags`]) once the file is known to be an image.
-fn clear_nonblock(f: &File) -> io::Result<()> {
-    crate::util::set_nonblocking(f.as_raw_fd(), false)
 }
 
 impl FileEngineConfig {
@@ -188,14 +177,14 @@ impl FileEngine {
         let file = open_flags(&cfg.path, flags, cfg.identity.is_some()).map_err(open_err)?;
         let meta = file.metadata().map_err(open_err)?;
         if let Some(want) = cfg.identity {
-            use std::os::unix::fs::MetadataExt;
-            if (meta.dev(), meta.ino()) != (want.dev, want.ino) {
+            let got = ImageId::of(&meta);
+            if got != want {
                 return Err(EngineError::NotTheImage {
                     path: cfg.path.clone(),
                     want_dev: want.dev,
                     want_ino: want.ino,
-                    got_dev: meta.dev(),
-                    got_ino: meta.ino(),
+                    got_dev: got.dev,
+                    got_ino: got.ino,
                 });
             }
         }
@@ -209,7 +198,8 @@ impl FileEngine {
                 path: cfg.path.clone(),
             });
         };
-        clear_nonblock(&file).map_err(open_err)?;
+        // An image: its reads and writes may block (O_NONBLOCK came with the open).
+        crate::util::set_nonblocking(file.as_raw_fd(), false).map_err(open_err)?;
         if cfg.lock && sharing_write {
             qemu_lock_sharing_write(&file, &cfg.path, cfg.read_only)?;
         } else if cfg.lock {
