@@ -100,6 +100,31 @@ impl FakeQemu {
         me
     }
 
+    /// A supervisor over `run` (quiet period 100 ms; no periodic poll, so only explicit
+    /// requests act and an injected failure meets the step it targets) with VM `vm`
+    /// registered on this QEMU with `spec`. From a multi-threaded tokio runtime.
+    pub fn supervise(
+        &self,
+        run: &Path,
+        spec: acceld::control::DriveSpec,
+    ) -> Arc<acceld::supervisor::Supervisor> {
+        use acceld::supervisor::{Config, Supervisor};
+        let sup = Supervisor::new(Config {
+            run_dir: run.to_path_buf(),
+            quiet_period_ms: 100,
+            poll_interval_ms: 3_600_000,
+            attach_timeout_ms: 5000,
+            ..Config::default()
+        });
+        let s = sup.clone();
+        let qmp = self.qmp_path.clone();
+        tokio::task::block_in_place(|| {
+            s.register("vm".into(), qmp, vec![spec], false, false, None)
+        })
+        .expect("register the VM");
+        sup
+    }
+
     /// The next `cmd` fails with `desc` (GenericError).
     pub fn fail_next(&self, cmd: &str, desc: &str) {
         lock(&self.model).fail.insert(cmd.into(), desc.into());

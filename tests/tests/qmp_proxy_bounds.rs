@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use accel_tests::fake_qemu::FakeQemu;
 use acceld::control::DriveSpec;
-use acceld::supervisor::{Config, Supervisor};
+use acceld::supervisor::Supervisor;
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -37,18 +37,8 @@ async fn setup(oob: bool) -> Env {
     let socket = run.join("vm").join("d0.sock");
     let fake = FakeQemu::start(dir.path(), "d0", &image, &socket);
     fake.set_oob(oob);
-    let sup = Supervisor::new(Config {
-        run_dir: run.clone(),
-        quiet_period_ms: 100,
-        poll_interval_ms: 3_600_000,
-        attach_timeout_ms: 5000,
-        ..Config::default()
-    });
     let spec = DriveSpec::parse(&format!("id=d0,image={},queues=1", image.display())).unwrap();
-    let s2 = sup.clone();
-    let qmp = fake.qmp_path.clone();
-    tokio::task::block_in_place(|| s2.register("vm".into(), qmp, vec![spec], false, false, None))
-        .unwrap();
+    let sup = fake.supervise(&run, spec);
     let monitor = sup.monitor_socket("vm");
     tokio::spawn(acceld::qmp_proxy::serve(sup.clone(), "vm".into()));
     let t0 = Instant::now();

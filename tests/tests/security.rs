@@ -224,7 +224,6 @@ fn status_drive(sup: &acceld::supervisor::Supervisor) -> serde_json::Value {
 async fn a_link_swapped_during_the_switch_never_opens_another_file() {
     use accel_tests::fake_qemu::FakeQemu;
     use acceld::control::DriveSpec;
-    use acceld::supervisor::{Config, Supervisor};
     accel_tests::harness::init_logs();
     let dir = tempfile::Builder::new()
         .prefix("accel-sec")
@@ -249,18 +248,8 @@ async fn a_link_swapped_during_the_switch_never_opens_another_file() {
         std::os::unix::fs::symlink(&s2, &tmp).unwrap();
         std::fs::rename(&tmp, &l2).unwrap();
     });
-    let sup = Supervisor::new(Config {
-        run_dir: run.clone(),
-        quiet_period_ms: 100,
-        poll_interval_ms: 3_600_000,
-        attach_timeout_ms: 5000,
-        ..Config::default()
-    });
     let spec = DriveSpec::parse(&format!("id=d0,image={}", image.display())).unwrap();
-    let qmp = fake.qmp_path.clone();
-    let s = sup.clone();
-    tokio::task::block_in_place(|| s.register("vm".into(), qmp, vec![spec], false, false, None))
-        .unwrap();
+    let sup = fake.supervise(&run, spec);
     let t0 = std::time::Instant::now();
     while status_drive(&sup)["engine"] != "direct" {
         assert!(

@@ -11,7 +11,7 @@ use accel_tests::fake_qemu::FakeQemu;
 use accel_tests::load::{fill_image, run_load, LoadSpec};
 use accel_tests::{BlkFrontend, FrontendOptions};
 use acceld::control::{DriveSpec, ThrottleLimits};
-use acceld::supervisor::{Config, Supervisor};
+use acceld::supervisor::Supervisor;
 use policy::Pin;
 use serde_json::Value;
 
@@ -48,19 +48,8 @@ async fn switches_and_rollbacks_under_verified_load() {
     let run = dir.path().join("run");
     let socket = run.join("vm").join("d0.sock");
     let fake = FakeQemu::start(dir.path(), "d0", &image, &socket);
-    let sup = Supervisor::new(Config {
-        run_dir: run.clone(),
-        quiet_period_ms: 100,
-        // Only explicit requests act: injected failures must meet the step they target.
-        poll_interval_ms: 3_600_000,
-        attach_timeout_ms: 5000,
-        ..Config::default()
-    });
     let spec = DriveSpec::parse(&format!("id=d0,image={},queues=2", image.display())).unwrap();
-    let s2 = sup.clone();
-    let qmp = fake.qmp_path.clone();
-    tokio::task::block_in_place(|| s2.register("vm".into(), qmp, vec![spec], false, false, None))
-        .unwrap();
+    let sup = fake.supervise(&run, spec);
     let d = wait_engine(&sup, "direct").await;
     assert_eq!(d["device"], "vdisk", "{d}");
     assert!(
