@@ -103,7 +103,9 @@ fn disk_element(path: &[String], e: &BytesStart<'_>, disk: &mut Option<DiskAcc>)
         b"source" => {
             let v = attr(e, "file").or_else(|| attr(e, "dev"));
             if direct_child {
-                d.top = v.or(d.top.take());
+                if v.is_some() {
+                    d.top = v;
+                }
             } else if in_backing {
                 d.backing.entry(depth).or_default().0 = v;
             }
@@ -140,13 +142,8 @@ pub fn facts(xml: &str) -> Result<DomainFacts, XmlError> {
                 disk_element(&path, &e, &mut disk);
                 path.push(n);
             }
-            Event::Empty(e) => {
-                if path.len() == 2 && path[1] == "devices" && e.name().as_ref() == b"disk" {
-                    // A disk without children names no image.
-                } else {
-                    disk_element(&path, &e, &mut disk);
-                }
-            }
+            // A `<disk/>` without children names no image (and is outside any disk).
+            Event::Empty(e) => disk_element(&path, &e, &mut disk),
             Event::End(_) => {
                 if path.len() == 3 && path[2] == "disk" {
                     if let Some(d) = disk.take() {
