@@ -169,6 +169,18 @@ impl TestServer {
         }
     }
 
+    /// A front-end with `queues` queues and the default options, connected and set up.
+    pub fn frontend(&self, queues: usize) -> crate::BlkFrontend {
+        crate::BlkFrontend::connect(
+            &self.socket,
+            crate::FrontendOptions {
+                queues,
+                ..Default::default()
+            },
+        )
+        .expect("connect")
+    }
+
     /// Drains and stops the server; returns once its thread ended.
     pub fn stop(&mut self) {
         self.stop.shutdown();

@@ -11,17 +11,6 @@ use accel_tests::{
 };
 use acceld::drive::DiscardMode;
 
-fn connect(s: &TestServer, queues: usize) -> BlkFrontend {
-    BlkFrontend::connect(
-        &s.socket,
-        FrontendOptions {
-            queues,
-            ..Default::default()
-        },
-    )
-    .expect("connect")
-}
-
 fn patterned(off: u64, seed: u64, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     pattern(off, seed, &mut v);
@@ -34,7 +23,7 @@ fn handshake_reports_features_and_config() {
         queues: 2,
         ..Default::default()
     });
-    let fe = connect(&s, 2);
+    let fe = s.frontend(2);
     let n = &fe.negotiated;
     assert_eq!(n.queue_num, 2);
     assert_eq!(n.capacity_sectors(), (64 << 20) / 512);
@@ -55,7 +44,7 @@ fn every_request_type() {
 
 fn every_request_type_on(base: &ServerOptions) {
     let s = TestServer::start(base);
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     let data = patterned(4096, 7, 8192);
     assert_eq!(fe.request(0, T_OUT, 8, &data, 0).unwrap().0, S_OK);
     let (st, back, used) = fe.request(0, T_IN, 8, &[], 8192).unwrap();
@@ -112,7 +101,7 @@ fn discard_ignore_keeps_data_on(base: &ServerOptions) {
         discard: DiscardMode::Ignore,
         ..base.clone()
     });
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     let data = patterned(0, 3, 4096);
     assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
     let seg = dwz_segment(0, 8, 0);
@@ -130,7 +119,7 @@ fn read_only_disk_refuses_writes_on(base: &ServerOptions) {
         read_only: true,
         ..base.clone()
     });
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     assert_ne!(
         fe.negotiated.features & (1 << 5),
         0,
@@ -154,7 +143,7 @@ fn any_descriptor_layout() {
 
 fn any_descriptor_layout_on(base: &ServerOptions) {
     let s = TestServer::start(base);
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     let sl = fe.slot(0, 1);
     let data = patterned(512 * 100, 11, 4096);
     // Header split 5 + 11 bytes; its tail shares a descriptor with the first data bytes; the
@@ -248,7 +237,7 @@ fn hostile_requests_get_a_status_and_the_server_survives() {
 
 fn hostile_requests_get_a_status_and_the_server_survives_on(base: &ServerOptions) {
     let s = TestServer::start(base);
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     let cap = fe.negotiated.capacity_sectors();
     let sl = fe.slot(0, 3);
     // Out of range, overflowing, misaligned lengths.
@@ -325,7 +314,7 @@ fn descriptor_loop_is_cut() {
 
 fn descriptor_loop_is_cut_on(base: &ServerOptions) {
     let s = TestServer::start(base);
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     let sl = fe.slot(0, 4);
     fe.mem.write(sl.header, &header(T_IN, 0));
     fe.mem.write(sl.status, &[0xff]);
@@ -359,7 +348,7 @@ fn two_queues_in_parallel_on(base: &ServerOptions) {
         queues: 2,
         ..base.clone()
     });
-    let mut fe = connect(&s, 2);
+    let mut fe = s.frontend(2);
     for q in 0..2 {
         let data = patterned(q as u64 * 8192, 9, 8192);
         assert_eq!(
@@ -384,7 +373,7 @@ fn reconnect_ten_times_with_fresh_state_on(base: &ServerOptions) {
         ..base.clone()
     });
     for round in 0..10u64 {
-        let mut fe = connect(&s, 2);
+        let mut fe = s.frontend(2);
         let q = (round % 2) as usize;
         let data = patterned(round * 4096, round, 4096);
         assert_eq!(fe.request(q, T_OUT, round * 8, &data, 0).unwrap().0, S_OK);
@@ -464,7 +453,7 @@ fn write_cache_follows_the_driver() {
     use vhost::vhost_user::message::VhostUserConfigFlags;
     use vhost::vhost_user::VhostUserFrontend as _;
     let s = TestServer::start(&ServerOptions::default());
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     assert_eq!(fe.negotiated.config[32], 1, "writeback shown on");
     assert!(s.drive.writeback());
     fe.frontend()
@@ -500,7 +489,7 @@ fn every_ring_start_interrupts_the_driver_once() {
         got
     };
     let s = TestServer::start(&ServerOptions::default());
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     assert!(readable(&fe), "no interrupt at the first start");
     let data = patterned(0, 3, 4096);
     assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
@@ -517,7 +506,7 @@ fn a_resize_reaches_the_frontend_on_the_backend_channel() {
     use vhost::vhost_user::message::VhostUserConfigFlags;
     use vhost::vhost_user::VhostUserFrontend as _;
     let s = TestServer::start(&ServerOptions::default());
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     let (mut mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
     fe.frontend().set_backend_request_fd(&theirs).unwrap();
     drop(theirs);
@@ -585,7 +574,7 @@ fn indirect_tables_are_checked_like_chains() {
 /// served as OK, and the queue goes on.
 fn indirect_tables_are_checked_like_chains_on(base: &ServerOptions) {
     let s = TestServer::start(base);
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     let sl = fe.slot(0, 5);
     let t = sl.indirect;
     let answer = |fe: &mut BlkFrontend, descs: &[(u64, u32, u16, u16)]| {
@@ -669,7 +658,7 @@ fn a_corrupt_ring_breaks_only_its_queue_on(base: &ServerOptions) {
             .load(std::sync::atomic::Ordering::Relaxed)
     };
     for case in ["avail index jump", "head past the table"] {
-        let mut fe = connect(&s, 2);
+        let mut fe = s.frontend(2);
         let data = patterned(0, 4, 4096);
         assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
         match case {
@@ -697,7 +686,7 @@ fn a_corrupt_ring_breaks_only_its_queue_on(base: &ServerOptions) {
         fe.get_vring_base(0).unwrap();
         drop(fe);
         // A new connection (a frontend reset) clears it.
-        let mut fe = connect(&s, 2);
+        let mut fe = s.frontend(2);
         assert_eq!(broken(), 0, "{case}: cleared by the reconnect");
         assert_eq!(fe.request(0, T_IN, 0, &[], 4096).unwrap().1, data);
     }
@@ -735,7 +724,7 @@ fn a_memory_region_past_its_file_is_refused() {
         );
     }
     drop(fe);
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     let data = patterned(0, 9, 512);
     assert_eq!(fe.request(0, T_OUT, 0, &data, 0).unwrap().0, S_OK);
     assert_eq!(fe.request(0, T_IN, 0, &[], 512).unwrap().1, data);
@@ -790,6 +779,6 @@ fn overlapping_rings_are_refused() {
     );
     drop(fe);
     // The server goes on.
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     assert_eq!(fe.request(0, T_FLUSH, 0, &[], 0).unwrap().0, S_OK);
 }

@@ -10,17 +10,6 @@ use std::time::Duration;
 use accel_tests::harness::{ServerOptions, TestServer};
 use accel_tests::{BlkFrontend, FrontendOptions, S_OK, T_IN, T_OUT};
 
-fn connect(s: &TestServer, queues: usize) -> BlkFrontend {
-    BlkFrontend::connect(
-        &s.socket,
-        FrontendOptions {
-            queues,
-            ..Default::default()
-        },
-    )
-    .expect("connect")
-}
-
 /// How many of this process's descriptors name the same file as `fd` (`/proc/self/fd`).
 fn copies_of(fd: RawFd) -> usize {
     let me = std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap();
@@ -106,7 +95,7 @@ fn a_flood_of_descriptors_leaves_none_open() {
     // The server serves one front-end at a time: a second one's request completes only
     // after the first connection's handler is gone.
     drop(sock);
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     assert_eq!(fe.request(0, T_OUT, 0, &[7u8; 512], 0).unwrap().0, S_OK);
     assert_eq!(fe.request(0, T_IN, 0, &[], 512).unwrap().1, vec![7u8; 512]);
     let after = copies_of(r);
@@ -317,7 +306,7 @@ fn a_call_descriptor_that_is_not_an_eventfd_is_refused() {
     drop(fe);
     // SAFETY: p[0] is ours.
     unsafe { libc::close(p[0]) };
-    let mut fe = connect(&s, 1);
+    let mut fe = s.frontend(1);
     assert_eq!(fe.request(0, T_OUT, 0, &[3u8; 512], 0).unwrap().0, S_OK);
 }
 
