@@ -8,10 +8,10 @@ use std::time::{Duration, SystemTime};
 use accel_api::control::{check_id, DriveSpec};
 use accel_api::status::EngineKind;
 use serde::Serialize;
-use tokio::task::block_in_place;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::drive_state::{GraphRecord, Intent, ManagedDrive, Placement};
+use super::offload;
 use super::persist::{self, SavedDrive};
 use super::vm::Vm;
 use super::{SupError, Supervisor};
@@ -19,6 +19,11 @@ use crate::drive::{Drive, DriveConfig, DriveConfigError};
 use crate::engine::{image_size, Engine, FileEngine, HeldEngine};
 use crate::util::lock;
 use crate::vhost::Server;
+
+/// Longest an unregister waits for QEMU to take its drives back.
+const HANDBACK_DEADLINE: Duration = Duration::from_secs(15);
+/// Longest an unregister (or QEMU's end) waits for the VM's drives to stop serving.
+const TEARDOWN_DEADLINE: Duration = Duration::from_secs(15);
 
 /// What `register` answers.
 #[derive(Clone, Debug, Serialize)]
@@ -312,51 +317,98 @@ impl Supervisor {
         vm.stop_task();
         let mut handed = Vec::new();
         if let Ok(qmp) = vm.qmp() {
-            for d in vm.drives.values() {
-                let _g = d.op.lock().await;
-                match d.engine_kind() {
-                    EngineKind::Direct => {
-                        // Give QEMU its nodes back; the guest's device loses its server anyway.
-                        let paused = block_in_place(|| d.drive.pause())?;
-                        d.drive.engine().release();
-                        let r = self.restore_nodes(d, &qmp).await;
-                        let _ = block_in_place(|| paused.resume(Arc::new(HeldEngine)));
-                        d.set_engine(EngineKind::Held);
-                        r?;
-                        handed.push(d.spec.id.clone());
-                    }
-                    EngineKind::Qemu => {
-                        d.drive.engine().release();
-                        let _ = self.qemu_down(d, &qmp).await;
-                    }
-                    EngineKind::Held => {}
+            // A QEMU that stops answering (each command waits its QMP timeout) does not hold
+            // its unregister for long: past the bound the drives stop without the hand-back.
+            match tokio::time::timeout(HANDBACK_DEADLINE, self.hand_back(&vm, &qmp, &mut handed))
+                .await
+            {
+                Ok(r) => r?,
+                Err(_) => {
+                    warn!(vm = %vm.name, "QEMU did not take its drives back within {HANDBACK_DEADLINE:?}; they stop without it");
                 }
             }
         }
-        self.forget_vm_keeping(&vm, keep_permit);
+        self.forget(&vm, keep_permit).await;
         Ok(Unregistered {
             vm: name.to_string(),
             nodes_restored: handed,
         })
     }
 
+    /// Gives QEMU its nodes back (direct drives) and takes acceld's export and filter away
+    /// (qemu engine); `handed` gets each drive QEMU serves again.
+    async fn hand_back(
+        &self,
+        vm: &Arc<Vm>,
+        qmp: &Arc<qmp_client::Qmp>,
+        handed: &mut Vec<String>,
+    ) -> Result<(), SupError> {
+        for d in vm.drives.values() {
+            let _g = d.op.lock().await;
+            match d.engine_kind() {
+                EngineKind::Direct => {
+                    // Give QEMU its nodes back; the guest's device loses its server anyway.
+                    let dr = d.drive.clone();
+                    let paused = offload::blocking(move || dr.pause()).await?;
+                    d.drive.engine().release();
+                    let r = self.restore_nodes(d, qmp).await;
+                    let _ = offload::blocking(move || paused.resume(Arc::new(HeldEngine))).await;
+                    d.set_engine(EngineKind::Held);
+                    r?;
+                    handed.push(d.spec.id.clone());
+                }
+                EngineKind::Qemu => {
+                    d.drive.engine().release();
+                    let _ = self.qemu_down(d, qmp).await;
+                }
+                EngineKind::Held => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Stops serving the VM and ends its permit (QEMU is gone).
-    pub(super) fn forget_vm(&self, vm: &Arc<Vm>) {
-        self.forget_vm_keeping(vm, false);
+    pub(super) async fn forget_vm(self: &Arc<Self>, vm: &Arc<Vm>) {
+        self.forget(vm, false).await;
+    }
+
+    /// [`Supervisor::forget_vm_keeping`] off the runtime, bounded. Requests still in flight
+    /// on the qemu engine fail first: an export that stopped answering (a wedged or
+    /// compromised QEMU) would hold the drain, and so the teardown, for good.
+    async fn forget(self: &Arc<Self>, vm: &Arc<Vm>, keep_permit: bool) {
+        for d in vm.drives.values() {
+            let e = d.drive.engine();
+            if e.kind() == EngineKind::Qemu {
+                e.release();
+            }
+        }
+        let (sup, vm2) = (self.clone(), vm.clone());
+        let done = offload::blocking_within(TEARDOWN_DEADLINE, move || {
+            sup.forget_vm_keeping(&vm2, keep_permit)
+        })
+        .await;
+        if done.is_none() {
+            error!(vm = %vm.name, "the VM's drives did not stop within {TEARDOWN_DEADLINE:?}; acceld goes on stopping them, and lists the VM until they have");
+        }
     }
 
     fn forget_vm_keeping(&self, vm: &Arc<Vm>, keep_permit: bool) {
-        lock(&self.vms).remove(&vm.name);
-        if !keep_permit {
-            self.end_permit(&vm.name);
-        }
+        vm.set_qmp(None);
         for d in vm.drives.values() {
             d.stop_server();
         }
         let _ = std::fs::remove_file(vm.nbd_socket());
         let _ = std::fs::remove_file(self.monitor_socket(&vm.name));
+        if !keep_permit {
+            self.end_permit(&vm.name);
+        }
         let _ = std::fs::remove_dir(&vm.dir);
-        vm.set_qmp(None);
+        {
+            let mut vms = lock(&self.vms);
+            if vms.get(&vm.name).is_some_and(|v| Arc::ptr_eq(v, vm)) {
+                vms.remove(&vm.name);
+            }
+        }
         self.save();
         info!(vm = %vm.name, "unregistered; sockets removed");
     }
