@@ -49,6 +49,10 @@ pub struct FakeQemu {
     pub qmp_path: PathBuf,
     model: Arc<Mutex<Model>>,
     nbd_up: Arc<AtomicBool>,
+    /// The NBD server reads writes and neither performs nor answers them (a hung export).
+    nbd_hold_writes: Arc<AtomicBool>,
+    /// QMP commands are read and never answered (a wedged or compromised QEMU).
+    qmp_silent: AtomicBool,
     image: PathBuf,
     chardev_socket: PathBuf,
 }
@@ -87,6 +91,8 @@ impl FakeQemu {
             qmp_path,
             model: Arc::new(Mutex::new(m)),
             nbd_up: Arc::new(AtomicBool::new(true)),
+            nbd_hold_writes: Arc::new(AtomicBool::new(false)),
+            qmp_silent: AtomicBool::new(false),
             image: image.to_path_buf(),
             chardev_socket: vhost_socket.to_path_buf(),
         });
@@ -161,6 +167,16 @@ impl FakeQemu {
         self.nbd_up.store(up, Ordering::Relaxed);
     }
 
+    /// From now on, writes to any export are read and then neither performed nor answered.
+    pub fn hold_nbd_writes(&self, on: bool) {
+        self.nbd_hold_writes.store(on, Ordering::Relaxed);
+    }
+
+    /// From now on, no QMP command gets an answer (the connection stays open).
+    pub fn silence_qmp(&self, on: bool) {
+        self.qmp_silent.store(on, Ordering::Relaxed);
+    }
+
     /// Offer `oob` to connections made from now on.
     pub fn set_oob(&self, on: bool) {
         lock(&self.model).oob = on;
@@ -227,6 +243,9 @@ impl FakeQemu {
                 if writeln!(lock(&w), "{}", json!({"return": {}, "id": id})).is_err() {
                     return;
                 }
+                continue;
+            }
+            if self.qmp_silent.load(Ordering::Relaxed) {
                 continue;
             }
             let cmd = req["execute"].as_str().unwrap_or_default().to_string();
@@ -368,6 +387,7 @@ impl FakeQemu {
                 m.nbd_path = Some(p);
                 let model = self.model.clone();
                 let up = self.nbd_up.clone();
+                let hold = self.nbd_hold_writes.clone();
                 let image = self.image.clone();
                 std::thread::spawn(move || {
                     for c in l.incoming().map_while(Result::ok) {
@@ -376,8 +396,9 @@ impl FakeQemu {
                         }
                         let model = model.clone();
                         let image = image.clone();
+                        let hold = hold.clone();
                         std::thread::spawn(move || {
-                            let _ = serve_nbd(c, &model, &image);
+                            let _ = serve_nbd(c, &model, &image, &hold);
                         });
                     }
                 });
@@ -410,11 +431,16 @@ impl FakeQemu {
 
 /// A minimal NBD server: fixed newstyle, NBD_OPT_GO (structured replies refused, so the
 /// client's simple-reply path runs), READ/WRITE/FLUSH/TRIM/WRITE_ZEROES on the image file.
-fn serve_nbd(mut s: UnixStream, model: &Mutex<Model>, image: &Path) -> std::io::Result<()> {
+fn serve_nbd(
+    mut s: UnixStream,
+    model: &Mutex<Model>,
+    image: &Path,
+    hold_writes: &AtomicBool,
+) -> std::io::Result<()> {
     let f = File::options().read(true).write(true).open(image)?;
     let size = f.metadata()?.len();
     crate::nbd_server::handshake(&mut s, size, 1 | 4 | 8 | 32 | 64, false, &|name| {
         lock(model).exports.values().any(|(_, n)| n == name)
     })?;
-    crate::nbd_server::serve_file(&mut s, &f, |_| false)
+    crate::nbd_server::serve_file(&mut s, &f, |_| hold_writes.load(Ordering::Relaxed))
 }

@@ -11,6 +11,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tracing::{info, warn};
 
 use crate::control::{ErrorKind, Reply, Request};
+use crate::supervisor::offload::blocking;
 use crate::supervisor::{Owner, SupError, Supervisor};
 use crate::util::LogLimit;
 
@@ -100,9 +101,7 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
             incoming,
         } => {
             let s = sup.clone();
-            json(tokio::task::block_in_place(move || {
-                s.register(vm, qmp, drives, cont, incoming, None)
-            }))
+            json(blocking(move || s.register(vm, qmp, drives, cont, incoming, None)).await)
         }
         Request::Unregister { vm } => json(sup.unregister(&vm, false).await),
         Request::Permit {
@@ -111,7 +110,9 @@ pub async fn dispatch(sup: &Arc<Supervisor>, req: Request) -> Reply {
             gid,
             images,
         } => {
-            let r = sup.permit(&vm, Owner { uid, gid }, &images);
+            // It resolves and stats the images (a path may be slow to resolve).
+            let (s, v) = (sup.clone(), vm.clone());
+            let r = blocking(move || s.permit(&v, Owner { uid, gid }, &images)).await;
             if let Ok(p) = &r {
                 // Bound before the reply: the wrapper may connect as soon as the hook returns.
                 match bind_vm_socket(&p.socket, Owner { uid, gid }) {
@@ -176,15 +177,17 @@ pub async fn dispatch_vm(sup: &Arc<Supervisor>, vm: &str, generation: u64, req: 
             mut drives,
             cont,
             incoming,
-        } if name == vm => match sup.check_permitted(vm, &qmp, &mut drives) {
-            Ok(owner) => {
-                let s = sup.clone();
-                json(tokio::task::block_in_place(move || {
+        } if name == vm => {
+            // Both resolve and stat the images, off the runtime.
+            let s = sup.clone();
+            json(
+                blocking(move || {
+                    let owner = s.check_permitted(&name, &qmp, &mut drives)?;
                     s.register(name, qmp, drives, cont, incoming, Some(owner))
-                }))
-            }
-            Err(e) => Err(e),
-        },
+                })
+                .await,
+            )
+        }
         Request::Unregister { vm: name } if name == vm => json(sup.unregister(vm, true).await),
         Request::Status => {
             let mut st = sup.status();

@@ -157,12 +157,11 @@ impl ManagedDrive {
         }
     }
 
-    /// Stops the drive's lender, if any: lent rings come back (blocking; from the runtime,
-    /// through `block_in_place`).
-    pub fn stop_lending(&self) {
+    /// Stops the drive's lender, if any: lent rings come back (blocking, so off the runtime).
+    pub async fn stop_lending(&self) {
         let lender = lock(&self.lender).take();
         if lender.is_some() {
-            tokio::task::block_in_place(|| drop(lender));
+            super::offload::blocking(move || drop(lender)).await;
         }
     }
 

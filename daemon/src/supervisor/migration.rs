@@ -13,6 +13,7 @@
 
 use std::sync::Arc;
 
+use super::offload;
 use accel_api::status::EngineKind;
 use qmp_client::commands::{
     BlockExportAdd, BlockExportDel, BlockJobCancel, BlockdevAdd, BlockdevDel, BlockdevMirror,
@@ -20,7 +21,6 @@ use qmp_client::commands::{
     QueryMigrate, QueryMigrateCapabilities, QueryStatus, Quit,
 };
 use qmp_client::Qmp;
-use tokio::task::block_in_place;
 use tracing::{info, warn};
 
 use super::vm::Vm;
@@ -386,9 +386,9 @@ impl Supervisor {
                 continue;
             }
             let drive = d.drive.clone();
-            match block_in_place(|| drive.pause()) {
+            match offload::blocking(move || drive.pause()).await {
                 Ok(p) => {
-                    let _ = block_in_place(|| p.resume(Arc::new(HeldEngine)));
+                    let _ = offload::blocking(move || p.resume(Arc::new(HeldEngine))).await;
                 }
                 Err(e) => warn!(vm = %vm.name, drive = %d.spec.id, "cannot hold the drive: {e}"),
             }

@@ -45,6 +45,7 @@ mod contract;
 mod drive_state;
 mod migration;
 mod observe;
+pub(crate) mod offload;
 mod permit;
 mod persist;
 pub mod plan;

@@ -14,7 +14,7 @@ use qmp_client::Qmp;
 use serde_json::json;
 use tracing::{debug, warn};
 
-use tokio::task::block_in_place;
+use super::offload;
 
 use super::drive_state::{ManagedDrive, Recorded};
 use super::vm::Vm;
@@ -298,7 +298,7 @@ impl Supervisor {
 
     /// Takes lent rings back and removes QEMU's vhost-user-blk export of the drive.
     pub(super) async fn lend_down(&self, d: &ManagedDrive, qmp: &Qmp) -> Result<(), SupError> {
-        d.stop_lending();
+        d.stop_lending().await;
         let export = lend_export_id(d.id());
         remove_export(qmp, &export).await?;
         if let Some(sock) = lock(&d.graph).lend_socket.take() {
@@ -320,11 +320,13 @@ impl Supervisor {
             // the server greets on acceld's own socket (in the private run dir), acceld
             // started it before (another drive, or before a restart): go on. Anything else
             // is a failure.
-            Err(SupError::Qmp { ref source, .. })
-                if source.class() == Some("GenericError")
-                    && block_in_place(|| nbd::greets(nbd_socket, Duration::from_secs(2))) =>
-            {
-                Ok(())
+            Err(SupError::Qmp { ref source, .. }) if source.class() == Some("GenericError") => {
+                let sock = nbd_socket.to_path_buf();
+                if offload::blocking(move || nbd::greets(&sock, Duration::from_secs(2))).await {
+                    Ok(())
+                } else {
+                    r.map(|_| ())
+                }
             }
             Err(e) => Err(e),
         }

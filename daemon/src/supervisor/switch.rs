@@ -7,11 +7,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::offload;
 use accel_api::control::DriveSpec;
 use accel_api::status::EngineKind;
 use policy::ServeSpec;
 use qmp_client::Qmp;
-use tokio::task::block_in_place;
 use tracing::{debug, info, warn};
 
 use super::drive_state::ManagedDrive;
@@ -105,7 +105,7 @@ impl Supervisor {
         let from = d.engine_kind();
         let drive = d.drive.clone();
         // Lent rings come back, and stay, until the drive is on the qemu engine again.
-        d.stop_lending();
+        d.stop_lending().await;
         if let Target::Direct(spec) = &to {
             super::permit::check_qemu_image(&d.image, &spec.image)?;
         }
@@ -126,7 +126,8 @@ impl Supervisor {
                 }
             },
             (Target::Direct(spec), EngineKind::Qemu) => {
-                match FileEngine::open_sharing_write(file_config(&d.spec, &d.image, spec)) {
+                let cfg = file_config(&d.spec, &d.image, spec);
+                match offload::blocking(move || FileEngine::open_sharing_write(cfg)).await {
                     Ok(e) if e.size() >= d.drive.capacity() => Some(Arc::new(e) as Arc<dyn Engine>),
                     // The usual path then says why (and restores what it must).
                     _ => None,
@@ -139,23 +140,32 @@ impl Supervisor {
         // The queues' contexts on a prepared engine too (io_uring rings, NBD queues on the
         // connections made ahead): the pause then does not wait for their set-up. If they
         // cannot be opened now, the resume opens them and says why.
-        let mut ahead = prepared
-            .as_ref()
-            .and_then(|e| block_in_place(|| drive.open_contexts(e.as_ref())).ok());
+        let mut ahead = match prepared.clone() {
+            Some(e) => {
+                let dr = drive.clone();
+                offload::blocking(move || dr.open_contexts(e.as_ref()))
+                    .await
+                    .ok()
+            }
+            None => None,
+        };
         let old = drive.engine();
         // With the new engine ready on every queue, the switch overlaps: new requests go to
         // it at once, the ones in flight finish on the old engine, which is released only
         // after their last completion. The pause is then the hand-over alone, not the drain
         // (requests through QEMU, or a slow disk, take milliseconds).
         let swapped = match (&prepared, ahead.take()) {
-            (Some(e), Some(ctx)) => match block_in_place(|| drive.swap_engine(e.clone(), ctx)) {
-                Ok(s) => Some(s),
-                Err((ctx, why)) => {
-                    debug!(drive = %d.spec.id, "no overlapped switch: {why}");
-                    ahead = Some(ctx);
-                    None
+            (Some(e), Some(ctx)) => {
+                let (dr, e) = (drive.clone(), e.clone());
+                match offload::blocking(move || dr.swap_engine(e, ctx)).await {
+                    Ok(s) => Some(s),
+                    Err((ctx, why)) => {
+                        debug!(drive = %d.spec.id, "no overlapped switch: {why}");
+                        ahead = Some(ctx);
+                        None
+                    }
                 }
-            },
+            }
             (_, a) => {
                 ahead = a;
                 None
@@ -164,7 +174,7 @@ impl Supervisor {
         let res = if let Some((rep, draining)) = swapped {
             let t = std::time::Instant::now();
             let timeout = Duration::from_millis(self.cfg.drain_timeout_ms);
-            match block_in_place(|| draining.wait(timeout)) {
+            match offload::blocking(move || draining.wait(timeout)).await {
                 Ok(()) => {
                     debug!(drive = %d.spec.id, to = to.kind().as_str(), swap_us = rep.pause.as_micros() as u64, handover_us = rep.handover.as_micros() as u64, old_drain_us = t.elapsed().as_micros() as u64, "switch steps (overlapped)");
                     old.release();
@@ -184,7 +194,8 @@ impl Supervisor {
             }
             Ok(rep)
         } else {
-            let paused = match block_in_place(|| drive.pause()) {
+            let dr = drive.clone();
+            let paused = match offload::blocking(move || dr.pause()).await {
                 Ok(p) => p,
                 Err(e) => {
                     // A prepared direct engine just closes (dropped here); the qemu engine
@@ -198,7 +209,8 @@ impl Supervisor {
             let drained = paused.elapsed();
             // The next engine may be QEMU, whose flush covers only what it wrote itself:
             // what the old direct engine wrote is made durable now.
-            if let Err(e) = old.sync_data() {
+            let o = old.clone();
+            if let Err(e) = offload::blocking(move || o.sync_data()).await {
                 warn!(drive = %d.spec.id, "fdatasync before the switch failed: {e}");
             }
             // The old engine gives the storage up: inside the pause when the new one still
@@ -217,10 +229,12 @@ impl Supervisor {
             };
             debug!(drive = %d.spec.id, to = to.kind().as_str(), drain_us = drained.as_micros() as u64, release_us = (released - drained).as_micros() as u64, bring_up_us = (paused.elapsed() - released).as_micros() as u64, "switch steps");
             let res = match up {
-                Ok(engine) => match block_in_place(|| paused.resume_with(engine, ahead)) {
-                    Ok(rep) => Ok(rep),
-                    Err((p, e)) => Err((p, SupError::Switch(e))),
-                },
+                Ok(engine) => {
+                    match offload::blocking(move || paused.resume_with(engine, ahead)).await {
+                        Ok(rep) => Ok(rep),
+                        Err((p, e)) => Err((p, SupError::Switch(e))),
+                    }
+                }
                 Err(e) => Err((paused, e)),
             };
             if was_prepared {
@@ -273,7 +287,8 @@ impl Supervisor {
                 };
                 let restored = match back {
                     Some(t) => match self.bring_up(vm, d, qmp, &t).await {
-                        Ok(engine) => block_in_place(|| paused.resume(engine))
+                        Ok(engine) => offload::blocking(move || paused.resume(engine))
+                            .await
                             .map_err(|(p, e)| (p, SupError::Switch(e))),
                         Err(e2) => Err((paused, e2)),
                     },
@@ -283,7 +298,7 @@ impl Supervisor {
                     if let Some(n) = d.log.admit() {
                         warn!(vm = %vm.name, drive = %d.spec.id, "rollback failed, holding the drive's requests: {}{}", e2.chain(), crate::util::suppressed(n));
                     }
-                    let _ = block_in_place(|| paused.resume(Arc::new(HeldEngine)));
+                    let _ = offload::blocking(move || paused.resume(Arc::new(HeldEngine))).await;
                     d.set_engine(EngineKind::Held);
                 }
                 self.save();
@@ -320,7 +335,10 @@ impl Supervisor {
         // One connection per queue now, so the queues resume on connections that are up
         // (before the pause, when share_write_first).
         let queues = usize::from(d.drive.config().num_queues);
-        let engine = block_in_place(|| NbdEngine::connect_ahead(&sock, &export, queues))?;
+        let engine = {
+            let (s, x) = (sock.clone(), export.clone());
+            offload::blocking(move || NbdEngine::connect_ahead(&s, &x, queues)).await?
+        };
         debug!(drive = %d.spec.id, before_pause = share_write_first, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, export_us = (t_up - t_nodes).as_micros() as u64, connect_us = (t0.elapsed() - t_up).as_micros() as u64, "bring-up steps (qemu)");
         if engine.info().size < d.drive.capacity() {
             return Err(SupError::Invalid(format!(
@@ -362,7 +380,8 @@ impl Supervisor {
             st.last_error = Some(why.chain());
         }
         let drive = d.drive.clone();
-        let paused = match block_in_place(|| drive.pause()) {
+        let dr = drive.clone();
+        let paused = match offload::blocking(move || dr.pause()).await {
             Ok(p) => p,
             Err(e) => {
                 if let Some(n) = d.log.admit() {
@@ -481,7 +500,10 @@ impl Supervisor {
             )));
         }
         let dr = d.drive.clone();
-        let paused = block_in_place(|| dr.pause())?;
+        let paused = {
+            let dr = dr.clone();
+            offload::blocking(move || dr.pause()).await?
+        };
         dr.engine().release();
         if let Err(e) = self.qemu_down(&d, &qmp).await {
             self.resume_after_resize(&vmr, &d, &qmp, paused).await;
@@ -561,7 +583,9 @@ impl Supervisor {
         after: &str,
     ) -> Option<SupError> {
         let res = match self.qemu_engine(vm, d, qmp, false).await {
-            Ok(engine) => block_in_place(|| paused.resume(engine)).map_err(|(p, e)| (p, e.into())),
+            Ok(engine) => offload::blocking(move || paused.resume(engine))
+                .await
+                .map_err(|(p, e)| (p, e.into())),
             Err(e) => Err((paused, e)),
         };
         let (paused, e): (_, SupError) = match res {
@@ -574,7 +598,7 @@ impl Supervisor {
         if let Some(n) = d.log.admit() {
             warn!(vm = %vm.name, drive = %d.spec.id, "cannot serve the drive on the qemu engine after {after}, holding its requests: {}{}", e.chain(), crate::util::suppressed(n));
         }
-        let _ = block_in_place(|| paused.resume(Arc::new(HeldEngine)));
+        let _ = offload::blocking(move || paused.resume(Arc::new(HeldEngine))).await;
         d.set_engine(EngineKind::Held);
         Some(e)
     }

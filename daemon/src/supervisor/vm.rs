@@ -200,13 +200,13 @@ impl Supervisor {
             if ever_attached && !vm.qmp_path.exists() {
                 // QEMU is gone (its QMP socket went with it): detach cleanly.
                 info!(vm = %vm.name, "VM disappeared");
-                self.forget_vm(&vm);
+                self.forget_vm(&vm).await;
                 return;
             }
             if ever_attached {
                 if let Err(e) = qmp_client::connect(&vm.qmp_path).await {
                     info!(vm = %vm.name, "VM disappeared ({e})");
-                    self.forget_vm(&vm);
+                    self.forget_vm(&vm).await;
                     return;
                 }
             }
