@@ -221,6 +221,30 @@ pub fn wait_socket(path: &Path, timeout: std::time::Duration) -> std::io::Result
     Ok(())
 }
 
+/// Waits until qemu-storage-daemon has written its pid file: it does so once every export
+/// and NBD server of its command line is up, before it accepts a connection (its documented
+/// order). Nothing connects to probe: probe connections that closed at once were seen to
+/// make qemu-storage-daemon 10.0.2 abort at start-up (`qemu_socket_set_nonblock`), and a
+/// probe of the NBD socket could come before the export existed.
+fn wait_pidfile(child: &mut std::process::Child, pidfile: &Path) -> std::io::Result<()> {
+    let t0 = std::time::Instant::now();
+    while !std::fs::metadata(pidfile).is_ok_and(|m| m.len() > 0) {
+        if let Some(st) = child.try_wait()? {
+            return Err(std::io::Error::other(format!(
+                "qemu-storage-daemon exited at start-up ({st})"
+            )));
+        }
+        if t0.elapsed() > std::time::Duration::from_secs(30) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "qemu-storage-daemon did not write its pid file within 30 s",
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    Ok(())
+}
+
 /// How to run QEMU's own vhost-user-blk export for comparison.
 #[derive(Clone, Debug)]
 pub struct QsdOptions {
@@ -300,6 +324,9 @@ impl Qsd {
                     if o.writable { "on" } else { "off" }
                 ));
         }
+        let pidfile = socket.with_extension("pid");
+        let _ = std::fs::remove_file(&pidfile);
+        c.arg("--pidfile").arg(&pidfile);
         c.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
@@ -309,11 +336,8 @@ impl Qsd {
                 format!("cannot run qemu-storage-daemon (qemu-utils; integration/setup.sh): {e}"),
             )
         })?;
-        let q = Qsd(child);
-        wait_socket(socket, std::time::Duration::from_secs(10))?;
-        if let Some(nbd) = &o.nbd {
-            wait_socket(nbd, std::time::Duration::from_secs(10))?;
-        }
+        let mut q = Qsd(child);
+        wait_pidfile(&mut q.0, &pidfile)?;
         Ok(q)
     }
 
@@ -348,6 +372,8 @@ impl QsdNbd {
     pub fn start(image: &Path, format: &str, socket: &Path) -> std::io::Result<Self> {
         use std::process::{Command, Stdio};
         let _ = std::fs::remove_file(socket);
+        let pidfile = socket.with_extension("pid");
+        let _ = std::fs::remove_file(&pidfile);
         let child = Command::new("qemu-storage-daemon")
             .arg("--blockdev")
             .arg(format!(
@@ -362,16 +388,18 @@ impl QsdNbd {
                 "--export",
                 "type=nbd,id=exp0,node-name=disk0,name=disk0,writable=on",
             ])
+            .arg("--pidfile")
+            .arg(&pidfile)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()?;
-        let q = QsdNbd {
+        let mut q = QsdNbd {
             child,
             socket: socket.to_path_buf(),
             export: "disk0".into(),
         };
-        wait_socket(socket, std::time::Duration::from_secs(10))?;
+        wait_pidfile(&mut q.child, &pidfile)?;
         Ok(q)
     }
 

@@ -37,42 +37,21 @@ fn setup(queues: u16) -> Setup {
     fill_image(&image, SIZE, 1).unwrap();
     let export = dir.path().join("export.sock");
     let nbd = dir.path().join("nbd.sock");
-    // Seen under load: qemu-storage-daemon 10.0.2 aborting at start-up (an assertion in
-    // qemu_socket_set_nonblock) right after the harness's probe connections, before the test
-    // did anything. A daemon that died like that is started again, up to three times.
-    let mut tries = 0;
-    let (qsd, engine) = loop {
-        tries += 1;
-        let mut qsd = Qsd::start(
-            &image,
-            &export,
-            &QsdOptions {
-                queues,
-                iothread: true,
-                nbd: Some(nbd.clone()),
-                ..Default::default()
-            },
-        )
-        .expect("qemu-storage-daemon");
-        let t0 = Instant::now();
-        let engine = loop {
-            match NbdEngine::connect_ahead(&nbd, "disk0", usize::from(queues)) {
-                Ok(e) => break Some(e),
-                Err(_) if qsd.exited() => break None,
-                // The NBD server listens before qemu-storage-daemon has added its export.
-                Err(e) if t0.elapsed() < Duration::from_secs(10) => {
-                    eprintln!("NBD export not ready yet: {e}");
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => panic!("NBD export: {e}"),
-            }
-        };
-        match engine {
-            Some(e) => break (qsd, e),
-            None if tries < 3 => eprintln!("qemu-storage-daemon died at start-up; again"),
-            None => panic!("qemu-storage-daemon died at start-up {tries} times"),
-        }
-    };
+    // Qsd::start returns once the daemon wrote its pid file: its exports and NBD server are
+    // up (no probe connection, no retry).
+    let qsd = Qsd::start(
+        &image,
+        &export,
+        &QsdOptions {
+            queues,
+            iothread: true,
+            nbd: Some(nbd.clone()),
+            ..Default::default()
+        },
+    )
+    .expect("qemu-storage-daemon");
+    let engine = NbdEngine::connect_ahead(&nbd, "disk0", usize::from(queues))
+        .expect("qemu-storage-daemon's NBD export");
     let size = engine.info().size;
     let engine: Arc<dyn Engine> = Arc::new(engine);
     let s = TestServer::serve_engine(
