@@ -29,7 +29,8 @@ pub struct DriveSpec {
     pub format: String,
     #[serde(default)]
     pub read_only: bool,
-    /// GET_ID answer; default: the drive id.
+    /// GET_ID answer; none by default, as QEMU's virtio-blk without `serial=` (the guest's
+    /// `/sys/block/vdX/serial` is empty, udev makes no serial-based `by-id` link).
     #[serde(default)]
     pub serial: Option<String>,
     #[serde(default = "default_queues")]

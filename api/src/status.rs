@@ -113,6 +113,10 @@ pub struct DriveStatus {
     pub socket: PathBuf,
     pub image: PathBuf,
     pub format: String,
+    /// What GET_ID answers the guest (empty: no serial, as QEMU's virtio-blk without
+    /// `serial=`).
+    #[serde(default)]
+    pub serial: String,
     pub engine: EngineKind,
     /// Unix time (seconds) of the last engine change.
     pub since: u64,
@@ -314,6 +318,7 @@ mod tests {
             file_node: Some("d0-file".into()),
             node_driver: "raw".into(),
             socket: "/run/accel/v/d0.sock".into(),
+            serial: String::new(),
             image: "/img".into(),
             format: "raw".into(),
             engine: EngineKind::Qemu,

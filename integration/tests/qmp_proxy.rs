@@ -214,6 +214,8 @@ asyncio.run(main())
     let out = vm.guest.wait_exit(Duration::from_secs(180))?;
     assert_eq!(guest_value(&out, "size")?, (48u64 << 20 >> 9).to_string());
     assert_eq!(guest_value(&out, "verify")?, "ok");
+    // Registered without `serial=`: no serial, as QEMU's virtio-blk without one.
+    assert_eq!(guest_value(&out, "serial")?, "");
     assert_eq!(std::fs::metadata(&img)?.len(), 48 << 20);
     Ok(())
 }

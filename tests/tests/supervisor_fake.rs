@@ -265,3 +265,67 @@ async fn switches_and_rollbacks_under_verified_load() {
     );
     sup.shutdown();
 }
+
+/// A drive registered without `serial=` has none, as QEMU's virtio-blk without one: GET_ID
+/// answers an empty id (all NULs) on the direct engine and on the qemu engine, and status
+/// shows no serial. With `serial=`, GET_ID answers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_serial_unless_configured() {
+    use accel_tests::{S_OK, T_GET_ID};
+    accel_tests::harness::init_logs();
+    for (serial, want) in [("", &b""[..]), (",serial=SN-42", &b"SN-42"[..])] {
+        let dir = tempfile::Builder::new()
+            .prefix("accel-serial")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let image = dir.path().join("d0.raw");
+        std::fs::File::create(&image)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let run = dir.path().join("run");
+        let socket = run.join("vm").join("d0.sock");
+        let fake = FakeQemu::start(dir.path(), "d0", &image, &socket);
+        let spec = DriveSpec::parse(&format!("id=d0,image={}{serial}", image.display())).unwrap();
+        let sup = fake.supervise(&run, spec);
+        wait_engine(&sup, "direct").await;
+        let sock = socket.clone();
+        let mut fe = tokio::task::spawn_blocking(move || {
+            BlkFrontend::connect(&sock, FrontendOptions::default()).unwrap()
+        })
+        .await
+        .unwrap();
+        let mut expect = [0u8; 20];
+        expect[..want.len()].copy_from_slice(want);
+        for engine in ["direct", "qemu"] {
+            if engine == "qemu" {
+                sup.set_throttle(
+                    "vm",
+                    "d0",
+                    Some(ThrottleLimits {
+                        iops_total: Some(100_000),
+                        ..Default::default()
+                    }),
+                )
+                .await
+                .unwrap();
+                wait_engine(&sup, "qemu").await;
+            }
+            let (st, id, _) =
+                tokio::task::block_in_place(|| fe.request(0, T_GET_ID, 0, &[], 20)).unwrap();
+            assert_eq!(st, S_OK);
+            assert_eq!(
+                id, expect,
+                "GET_ID on the {engine} engine (serial{serial:?})"
+            );
+        }
+        let d = drive(&sup);
+        assert_eq!(
+            d["serial"].as_str().unwrap_or(""),
+            std::str::from_utf8(want).unwrap(),
+            "{d}"
+        );
+        drop(fe);
+        let _ = sup.unregister("vm", false).await;
+    }
+}

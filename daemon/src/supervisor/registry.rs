@@ -203,7 +203,9 @@ impl Supervisor {
         }
         let cfg = DriveConfig {
             name: spec.id.clone(),
-            serial: spec.serial.clone().unwrap_or_else(|| spec.id.clone()),
+            // No serial unless one is configured: QEMU's rule (GET_ID of a virtio-blk disk
+            // without `serial=` answers an empty id).
+            serial: spec.serial.clone().unwrap_or_default(),
             capacity_bytes: size,
             logical_block_size: spec.logical_block_size,
             read_only: spec.read_only,

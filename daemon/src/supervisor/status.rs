@@ -97,6 +97,7 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         data_node,
         throttle_group: lock(&d.intent).throttle_group.clone(),
         socket: d.socket.clone(),
+        serial: d.drive.config().serial.clone(),
         image: d.spec.image.clone(),
         format: d.spec.format.clone(),
         engine,
