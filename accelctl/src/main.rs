@@ -370,7 +370,6 @@ fn libvirt(cli: &Cli, cmd: &LibvirtCmd) -> Result<(), Fail> {
             let input = hook::read_stdin()
                 .map_err(|e| Fail::Remote(ErrorKind::Invalid, format!("accel hook: stdin: {e}")))?;
             let r = hook::run(&c, args, &input);
-            print!("{}", r.stdout);
             for n in &r.notes {
                 eprintln!("{n}");
             }

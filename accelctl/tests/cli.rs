@@ -71,3 +71,53 @@ fn usage_errors_are_exit_2() {
         assert!(err.contains(text), "{args:?}: {err}");
     }
 }
+
+/// The hook prints nothing, for every operation, plain and converted domains alike: libvirt
+/// reads output of `migrate` and `restore` as a rewritten XML and taints the domain
+/// (`hook-script`); empty output means "unchanged".
+#[test]
+fn the_hook_prints_nothing() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("accel-qemu.conf");
+    std::fs::write(
+        &conf,
+        format!("run-dir = \"{}\"\n", dir.path().join("run").display()),
+    )
+    .unwrap();
+    let plain = "<domain type='qemu'><name>plain</name><devices><emulator>/usr/bin/qemu-system-x86_64</emulator></devices></domain>";
+    let converted = "<domain type='qemu'><name>conv</name><devices><emulator>/usr/bin/accel-qemu</emulator></devices></domain>";
+    for (xml, name) in [(plain, "plain"), (converted, "conv")] {
+        for op in ["migrate", "restore", "release", "stopped"] {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_accelctl"))
+                .args([
+                    "libvirt",
+                    "hook",
+                    "--conf",
+                    conf.to_str().unwrap(),
+                    name,
+                    op,
+                    "begin",
+                    "-",
+                ])
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(xml.as_bytes())
+                .unwrap();
+            let out = child.wait_with_output().unwrap();
+            assert!(
+                out.stdout.is_empty(),
+                "{name} {op}: printed {:?} (stderr {:?})",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}

@@ -500,7 +500,17 @@ fn scenario(user: Option<QemuUser>) -> Result<()> {
     assert_eq!(state(DOM), "shut off");
     assert!(!vm_known(&acc)?, "acceld still serves the saved VM");
     assert!(!run.join(DOM).exists(), "the VM's sockets are left");
+    let log_path = Path::new("/var/log/libvirt/qemu").join(format!("{DOM}.log"));
+    let log_before = std::fs::metadata(&log_path).map_or(0, |m| m.len());
     virsh(&["restore", saved.to_str().unwrap()])?;
+    // The hook printed nothing: libvirt took the XML as unchanged and did not taint the
+    // domain (it does, `hook-script`, for any output of a `restore` hook).
+    let log = std::fs::read(&log_path)?;
+    let new = String::from_utf8_lossy(&log[(log_before as usize).min(log.len())..]);
+    assert!(
+        !new.contains("hook-script"),
+        "the restored domain is tainted by the hook:\n{new}"
+    );
     let mut serial = Serial::connect(&d.join("serial.sock"))?;
     acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(60))?;
     let w0 = stat(DOM, "wr_req")?;

@@ -18,11 +18,12 @@ const CALL: Duration = Duration::from_secs(10);
 /// How long `prepare` waits for an acceld it started.
 const START_WAIT: Duration = Duration::from_secs(15);
 
-/// What the hook prints for libvirt: stdout (the XML, for `migrate` and `restore` filters)
-/// and the error that fails the operation.
+/// What the hook tells libvirt: the error that fails the operation. It never prints to
+/// stdout: for `migrate` and `restore` libvirt takes any output as a rewritten domain XML
+/// (and taints the domain `hook-script`), and empty output as "unchanged", which is what
+/// acceld's hook always means.
 #[derive(Debug, Default)]
 pub struct HookResult {
-    pub stdout: String,
     pub error: Option<String>,
     /// Lines for stderr that do not fail anything.
     pub notes: Vec<String>,
@@ -154,10 +155,6 @@ fn permit(sock: &Path, vm: &str, facts: &xml::DomainFacts) -> Result<(), String>
 pub fn run(conf: &WrapperConf, args: &[String], input: &str) -> HookResult {
     let mut res = HookResult::default();
     let op = args.get(1).map(String::as_str).unwrap_or("");
-    // Filters pass the XML on unchanged.
-    if matches!(op, "migrate" | "restore") {
-        res.stdout = input.to_string();
-    }
     let facts = match xml::facts(input) {
         Ok(f) => f,
         Err(e) => {
