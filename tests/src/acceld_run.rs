@@ -27,6 +27,12 @@ impl AcceldRun {
     /// Starts `acceld run` with the TOML `config` (`run-dir` is set here), running the ignored
     /// test `child_test` of the calling test binary (which must call [`child_main`]).
     pub fn start(child_test: &str, config: &str) -> Self {
+        Self::start_under(&[], child_test, config)
+    }
+
+    /// Like [`AcceldRun::start`], with `wrapper` (a program and its arguments, such as
+    /// `setpriv --bounding-set …`) running acceld's process.
+    pub fn start_under(wrapper: &[String], child_test: &str, config: &str) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("accel-run")
             .tempdir()
@@ -38,7 +44,16 @@ impl AcceldRun {
         let notify = UnixDatagram::bind(&notify_path).unwrap();
         let log = dir.path().join("acceld.log");
         let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new(std::env::current_exe().unwrap())
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = match wrapper.split_first() {
+            Some((prog, args)) => {
+                let mut c = Command::new(prog);
+                c.args(args).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let child = cmd
             .args(["--exact", child_test, "--ignored", "--nocapture"])
             .env(CONFIG_ENV, &cfg)
             .env(RUN_DIR_ENV, &run_dir)
