@@ -80,7 +80,10 @@ impl AcceldRun {
         let mut b = [0u8; 4096];
         match self.notify.recv(&mut b) {
             Ok(n) => String::from_utf8_lossy(&b[..n]).into_owned(),
-            Err(e) => panic!("no notification within {timeout:?} ({e}); log:\n{}", self.log()),
+            Err(e) => panic!(
+                "no notification within {timeout:?} ({e}); log:\n{}",
+                self.log()
+            ),
         }
     }
 
@@ -100,9 +103,14 @@ impl AcceldRun {
             .unwrap_or_else(|e| panic!("status: {e}; log:\n{}", self.log()))
     }
 
+    /// acceld's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     /// SIGTERM, as `systemctl stop` sends it.
     pub fn terminate(&self) {
-        let pid = self.child.as_ref().expect("running").id();
+        let pid = self.pid();
         // SAFETY: kill() takes plain integers; the pid is our own child's, not yet reaped.
         assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
     }

@@ -7,6 +7,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
+use accel_tests::acceld_run::AcceldRun;
 use accel_tests::harness::{ServerOptions, TestServer};
 use accel_tests::{BlkFrontend, FrontendOptions, S_OK, T_IN, T_OUT};
 
@@ -392,4 +393,166 @@ fn unsealed_memory_from_a_user_front_end_is_refused() {
         mmap_handle: unsealed.file.as_raw_fd(),
     }])
     .expect("root's memory table");
+}
+
+/// A local port nobody listens on now (the metrics endpoint's, for one test).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET /metrics` on `addr`: the whole answer (acceld closes after it).
+fn get_metrics(s: &mut std::net::TcpStream) -> String {
+    use std::io::{Read, Write};
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    resp
+}
+
+/// CPU time (user + system) of process `pid` so far, in clock ticks (`/proc/PID/stat`).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces) in parentheses.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// Any local user can reach the metrics endpoint. 16 connections that send nothing take
+/// every slot: a 17th `GET /metrics` waits in the backlog and is answered once the first
+/// silent one times out (5 s), not before and not much later; each silent one is closed at
+/// its timeout; acceld neither spins meanwhile nor stops answering its control socket.
+#[test]
+fn silent_metrics_clients_hold_a_slot_for_five_seconds_at_most() {
+    use std::io::Read;
+    use std::net::TcpStream;
+    use std::time::Instant;
+    let port = free_port();
+    let a = AcceldRun::start(
+        "acceld_run_child",
+        &format!("metrics-addr = \"127.0.0.1:{port}\"\n"),
+    );
+    a.wait_ready();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let first = get_metrics(&mut TcpStream::connect(addr).unwrap());
+    assert!(first.starts_with("HTTP/1.0 200 OK"), "{first}");
+
+    let t0 = Instant::now();
+    let cpu0 = cpu_ticks(a.pid());
+    let silent: Vec<TcpStream> = (0..16).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let mut next = TcpStream::connect(addr).unwrap();
+    next.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    // Meanwhile the control socket answers at once.
+    let t = Instant::now();
+    let st = a.status(Duration::from_secs(5));
+    assert!(st.ok, "{st:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "status took {:?} while the metrics slots were taken",
+        t.elapsed()
+    );
+    let resp = get_metrics(&mut next);
+    let waited = t0.elapsed();
+    assert!(resp.starts_with("HTTP/1.0 200 OK"), "{resp}");
+    assert!(
+        waited >= Duration::from_millis(4900),
+        "answered after {waited:?}: the 16 silent clients did not hold the 16 slots"
+    );
+    assert!(
+        waited < Duration::from_secs(7),
+        "answered only after {waited:?}: a silent client held its slot past its timeout"
+    );
+    // Five seconds of acceld waiting: well under a second of CPU (a spin takes them all).
+    let ticks = cpu_ticks(a.pid()) - cpu0;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    assert!(
+        ticks < hz / 2,
+        "acceld used {ticks} ticks of {hz}/s while it waited"
+    );
+    for mut s in silent {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 64];
+        match s.read(&mut b) {
+            Ok(0) => {}
+            Ok(n) => panic!("a silent client got {n} bytes"),
+            Err(e) => panic!("a silent client was not closed at its timeout: {e}"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "the child of AcceldRun::start (acceld run)"]
+fn acceld_run_child() {
+    accel_tests::acceld_run::child_main();
+}
+
+/// Out of descriptors, acceld's accept loops wait instead of spinning: a connection they
+/// cannot accept stays in the listener's backlog, so a loop that retries at once takes a
+/// whole core and writes a log line per try. acceld runs with 128 descriptors; root's
+/// control clients take them all; a metrics client comes on top. Then acceld must stay
+/// nearly idle with few log lines, and serve both waiting clients once descriptors are free.
+#[test]
+fn out_of_descriptors_the_accept_loops_wait_instead_of_spinning() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::TcpStream;
+    use std::os::unix::net::UnixStream;
+    let port = free_port();
+    let wrapper = ["prlimit", "--nofile=128:128", "--"].map(String::from);
+    let a = AcceldRun::start_under(
+        &wrapper,
+        "acceld_run_child",
+        &format!("metrics-addr = \"127.0.0.1:{port}\"\n"),
+    );
+    a.wait_ready();
+    let status = |s: &UnixStream, wait: Duration| -> bool {
+        s.set_read_timeout(Some(wait)).unwrap();
+        (&*s).write_all(b"{\"op\":\"status\"}\n").unwrap();
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).is_ok_and(|n| n > 0)
+    };
+    // Control clients until one is not accepted: each answered one holds a descriptor of
+    // acceld's.
+    let mut held = Vec::new();
+    let pending = loop {
+        let s = UnixStream::connect(a.control_socket()).unwrap();
+        if !status(&s, Duration::from_millis(500)) {
+            break s;
+        }
+        held.push(s);
+        assert!(held.len() < 200, "acceld never ran out of descriptors");
+    };
+    let mut metrics = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    metrics
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let lines_before = a.log().lines().count();
+    let cpu0 = cpu_ticks(a.pid());
+    // A measurement window: no event marks the absence of a spin.
+    std::thread::sleep(Duration::from_secs(2));
+    let ticks = cpu_ticks(a.pid()) - cpu0;
+    let lines = a.log().lines().count() - lines_before;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    assert!(
+        ticks < hz / 2,
+        "acceld used {ticks} ticks of {hz}/s in 2 s out of descriptors"
+    );
+    assert!(lines < 20, "{lines} log lines in 2 s out of descriptors");
+    // Descriptors back: both waiting clients are served.
+    held.truncate(held.len() - 8);
+    let mut line = String::new();
+    pending
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    BufReader::new(&pending).read_line(&mut line).unwrap();
+    assert!(line.contains("\"ok\":true"), "{line}");
+    let resp = get_metrics(&mut metrics);
+    assert!(resp.starts_with("HTTP/1.0 200 OK"), "{resp}");
+    drop(held);
 }

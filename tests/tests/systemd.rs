@@ -37,7 +37,10 @@ const NOBODY: u32 = 65534;
 
 /// The unit's `CapabilityBoundingSet=` as setpriv's `--bounding-set` argument.
 fn units_bounding_set() -> String {
-    let unit = concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/deb/acceld.service");
+    let unit = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../packaging/deb/acceld.service"
+    );
     let text = std::fs::read_to_string(unit).unwrap();
     let caps: Vec<String> = text
         .lines()
@@ -128,7 +131,10 @@ fn the_units_capabilities_are_enough_for_a_permit_and_a_registration() {
     let out = std::process::Command::new(&exe)
         .args(["--exact", "register_as_nobody", "--ignored", "--nocapture"])
         .env("ACCEL_TEST_SOCKET", vm_dir.join("control.sock"))
-        .env("ACCEL_TEST_REQUEST", serde_json::to_string(&register).unwrap())
+        .env(
+            "ACCEL_TEST_REQUEST",
+            serde_json::to_string(&register).unwrap(),
+        )
         .current_dir("/")
         .uid(NOBODY)
         .gid(NOBODY)

@@ -63,6 +63,11 @@ pub enum RunError {
     Supervisor(#[from] SupError),
 }
 
+/// How long the control socket's accept loop waits after a failed accept.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+/// Failed accepts of the control socket logged (5 per 10 s).
+static ACCEPT_LOG: crate::util::LogLimit = crate::util::LogLimit::new(5, Duration::from_secs(10));
+
 pub fn load_config(args: &RunArgs) -> Result<Config, RunError> {
     let mut cfg = match &args.config {
         Some(path) => {
@@ -188,7 +193,14 @@ async fn run_async(cfg: Config, notifier: Option<&Notifier>) -> Result<(), RunEr
                         Err(e) => warn!("control socket: no peer credentials: {e}"),
                     }
                 }
-                Err(e) => warn!("control socket accept: {e}"),
+                Err(e) => {
+                    // Out of descriptors (or memory), the connection stays in the backlog
+                    // and the next accept fails at once: wait instead of spinning.
+                    if let Some(n) = ACCEPT_LOG.admit() {
+                        warn!("control socket accept: {e}{}", crate::util::suppressed(n));
+                    }
+                    tokio::time::sleep(ACCEPT_RETRY).await;
+                }
             },
             _ = term.recv() => break,
             _ = int.recv() => break,

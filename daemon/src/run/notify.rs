@@ -54,7 +54,10 @@ impl Notifier {
         match Notifier::new(&v) {
             Ok(n) => Some(n),
             Err(e) => {
-                warn!("not telling the service manager: {}", crate::error_chain(&e));
+                warn!(
+                    "not telling the service manager: {}",
+                    crate::error_chain(&e)
+                );
                 None
             }
         }
