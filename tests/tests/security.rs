@@ -556,3 +556,48 @@ fn out_of_descriptors_the_accept_loops_wait_instead_of_spinning() {
     assert!(resp.starts_with("HTTP/1.0 200 OK"), "{resp}");
     drop(held);
 }
+
+/// The qemu engine connects to `RUN_DIR/VM/nbd.sock`, in the directory QEMU's user owns: a
+/// listener planted there that never accepts, its backlog full, held `UnixStream::connect`
+/// (and the switch, or the graph probe, that waited on it) for ever. Now the connect gives
+/// up after 5 s, inside the handshake's 30 s, with a timeout error.
+#[test]
+fn a_planted_nbd_socket_that_never_accepts_fails_the_connect_in_time() {
+    use acceld::engine::nbd::{self, NbdEngine, NbdError};
+    use std::time::Instant;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let (_listener, held) = plant_full_listener(&sock);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = sock.clone();
+    std::thread::spawn(move || {
+        let t0 = Instant::now();
+        let r = NbdEngine::connect(&p, "accel-d0").map(|_| ());
+        let engine = (r, t0.elapsed());
+        let t0 = Instant::now();
+        let greets = (nbd::greets(&p, Duration::from_secs(2)), t0.elapsed());
+        let _ = tx.send((engine, greets));
+    });
+    let ((r, took), (greets, greets_took)) = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the NBD connect hung on a planted socket");
+    match r {
+        Err(NbdError::Connect { source, .. }) => {
+            assert_eq!(source.kind(), std::io::ErrorKind::TimedOut, "{source}")
+        }
+        other => panic!("expected a connect error, got {other:?}"),
+    }
+    assert!(
+        took >= Duration::from_secs(4) && took < Duration::from_secs(10),
+        "the connect gave up after {took:?}"
+    );
+    assert!(!greets, "a listener that never accepts greets");
+    assert!(
+        greets_took < Duration::from_secs(4),
+        "greets waited {greets_took:?} for a 2 s probe"
+    );
+    for c in held {
+        // SAFETY: the test's own descriptors.
+        unsafe { libc::close(c) };
+    }
+}
