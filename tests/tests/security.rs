@@ -601,3 +601,72 @@ fn a_planted_nbd_socket_that_never_accepts_fails_the_connect_in_time() {
         unsafe { libc::close(c) };
     }
 }
+
+/// A front-end that sends half a message header and then nothing: the vhost crate reads
+/// the rest of a header in a loop that retries on EAGAIN, so the socket's 10 s receive
+/// timeout never ended that wait, and the drive's server thread stayed in it for ever: no
+/// other front-end served, and a shutdown of the drive (unregister, acceld's stop) waited
+/// for ever too. Now the server waits for a whole header first, at most 10 s, and a
+/// shutdown ends that wait.
+#[test]
+fn half_a_header_does_not_hold_the_drives_server() {
+    use std::io::Write;
+    let mut s = TestServer::start(&ServerOptions::default());
+    let mut sock = UnixStream::connect(&s.socket).unwrap();
+    // A whole VHOST_USER_GET_FEATURES and its reply: the server has taken the connection.
+    sock.write_all(&[1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0])
+        .unwrap();
+    let mut reply = [0u8; 20];
+    std::io::Read::read_exact(&mut sock, &mut reply).unwrap();
+    // Then 6 of the next header's 12 bytes, and time for the server to start reading them
+    // (nothing outside it marks that moment).
+    sock.write_all(&[1, 0, 0, 0, 1, 0]).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let t0 = std::time::Instant::now();
+        s.stop();
+        let _ = tx.send(t0.elapsed());
+    });
+    let took = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the drive's server never stopped: held by half a header");
+    assert!(took < Duration::from_secs(5), "the stop took {took:?}");
+    drop(sock);
+
+    // And without a shutdown, the connection ends at the message timeout (10 s in the
+    // server; here a session of 300 ms on a socket pair).
+    let (fe, be) = UnixStream::pair().unwrap();
+    let image = tempfile::NamedTempFile::new().unwrap();
+    image.as_file().set_len(1 << 20).unwrap();
+    let o = ServerOptions::default();
+    let drive = acceld::drive::Drive::new(
+        acceld::drive::DriveConfig {
+            name: "half".into(),
+            serial: String::new(),
+            capacity_bytes: 1 << 20,
+            logical_block_size: 512,
+            read_only: false,
+            num_queues: 1,
+            queue_size: 256,
+            discard: acceld::drive::DiscardMode::Unmap,
+            poll_us: 0,
+            werror: o.werror,
+            rerror: o.rerror,
+        },
+        accel_tests::harness::file_engine(image.path(), &o),
+    );
+    let mut session = acceld::vhost::Session::from_stream(be, drive, Duration::from_millis(300));
+    let never = vmm_sys_util::eventfd::EventFd::new(0).unwrap();
+    (&fe).write_all(&[1, 0, 0, 0, 1, 0]).unwrap();
+    let t0 = std::time::Instant::now();
+    assert_eq!(
+        session.serve_next(never.as_raw_fd()),
+        acceld::vhost::Served::Closed
+    );
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+        "closed after {took:?}"
+    );
+}
