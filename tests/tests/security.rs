@@ -569,7 +569,7 @@ fn a_planted_nbd_socket_that_never_accepts_fails_the_connect_in_time() {
     let sock = dir.path().join("nbd.sock");
     let (_listener, held) = plant_full_listener(&sock);
     let (tx, rx) = std::sync::mpsc::channel();
-    let p = sock.clone();
+    let p = sock;
     std::thread::spawn(move || {
         let t0 = Instant::now();
         let r = NbdEngine::connect(&p, "accel-d0").map(|_| ());
