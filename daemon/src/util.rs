@@ -160,7 +160,7 @@ pub fn socket_listening(path: &std::path::Path) -> bool {
 
 /// Connects to the unix socket at `path`, waiting at most `timeout` for room in its backlog
 /// (a unix `connect` waits up to the socket's send timeout: a listener that never accepts
-/// cannot hold the caller longer).
+/// cannot hold the caller longer). That wait's end is an error of kind `TimedOut`.
 pub fn connect_unix(
     path: &std::path::Path,
     timeout: std::time::Duration,
@@ -168,7 +168,17 @@ pub fn connect_unix(
     let addr = unix_addr(path)?;
     let s = unix_socket(0)?;
     s.set_write_timeout(Some(timeout.max(std::time::Duration::from_millis(1))))?;
-    unix_connect(&s, &addr)?;
+    unix_connect(&s, &addr).map_err(|e| {
+        // The kernel ends the wait with EAGAIN.
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the listener's backlog stayed full for {timeout:?}"),
+            )
+        } else {
+            e
+        }
+    })?;
     s.set_write_timeout(None)?;
     Ok(s)
 }

@@ -221,6 +221,39 @@ unsafe impl Sync for VhostWorld {}
 // SAFETY: as above.
 unsafe impl Send for VhostWorld {}
 
+/// A new memfd of `len` bytes, sealed against shrinking and growing (as QEMU's
+/// `memory-backend-memfd` is) or not.
+fn memfd(name: &std::ffi::CStr, len: u64, sealed: bool) -> Option<File> {
+    // SAFETY: memfd_create with a valid NUL-terminated name.
+    let fd = unsafe {
+        libc::memfd_create(
+            name.as_ptr(),
+            libc::MFD_CLOEXEC | if sealed { libc::MFD_ALLOW_SEALING } else { 0 },
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: fd is a new descriptor that nothing else owns.
+    let f = unsafe { File::from_raw_fd(fd) };
+    f.set_len(len).ok()?;
+    if sealed {
+        use std::os::fd::AsRawFd;
+        // SAFETY: fcntl F_ADD_SEALS on our own memfd has no memory effects.
+        let r = unsafe {
+            libc::fcntl(
+                f.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
+            )
+        };
+        if r != 0 {
+            return None;
+        }
+    }
+    Some(f)
+}
+
 fn vhost_world() -> &'static VhostWorld {
     static W: OnceLock<VhostWorld> = OnceLock::new();
     W.get_or_init(|| {
@@ -234,12 +267,9 @@ fn vhost_world() -> &'static VhostWorld {
         cfg.io = acceld::engine::IoMode::Inline;
         cfg.lock = false;
         let engine = Arc::new(acceld::engine::FileEngine::open(cfg).expect("engine"));
-        // SAFETY: memfd_create with a valid NUL-terminated name.
-        let fd = unsafe { libc::memfd_create(c"accel-fuzz".as_ptr(), 0) };
-        assert!(fd >= 0, "memfd_create");
-        // SAFETY: fd is a new descriptor that nothing else owns.
-        let memfd = unsafe { File::from_raw_fd(fd) };
-        memfd.set_len(MEM as u64).expect("memfd size");
+        // Sealed: a front-end that is not root may pass it too.
+        let memfd = memfd(c"accel-fuzz", MEM as u64, true).expect("memfd");
+        use std::os::fd::AsRawFd;
         // SAFETY: a new shared mapping of the whole memfd; no existing memory is affected.
         let p = unsafe {
             libc::mmap(
@@ -247,7 +277,7 @@ fn vhost_world() -> &'static VhostWorld {
                 MEM,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                fd,
+                memfd.as_raw_fd(),
                 0,
             )
         };
@@ -270,184 +300,520 @@ fn write_guest(w: &VhostWorld, off: usize, bytes: &[u8]) {
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, n) };
 }
 
-/// A frontend's message sequence, straight into acceld's vhost-user handler: features, memory
-/// tables (a real memfd), rings anywhere in it, eventfds, enables, config, and the guest
-/// memory itself written between messages, so that queue workers start on random rings and
-/// pop random descriptors.
-pub fn vhost_user(data: &[u8]) {
-    use vhost::vhost_user::message::{
-        VhostUserConfigFlags, VhostUserInflight, VhostUserMemoryRegion,
-        VhostUserSingleMemoryRegion, VhostUserVringAddrFlags,
+/// The descriptors this process holds (`/proc/self/fd`), each with what it names.
+fn open_fds() -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.filter_map(|e| {
+                let e = e.ok()?;
+                let what = std::fs::read_link(e.path()).ok()?;
+                Some((
+                    e.file_name().to_string_lossy().into_owned(),
+                    what.to_string_lossy().into_owned(),
+                ))
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Most descriptors the target attaches to one message (the kernel takes up to 253; the
+/// vhost crate reads up to 32, the spec allows 8).
+const MAX_MSG_FDS: usize = 28;
+
+/// One descriptor of a kind the input chooses: an eventfd, a sealed or an unsealed memfd of
+/// any size, either end of a pipe, /dev/null, a socket. The other end of a pipe or socket is
+/// kept in `keep` until the input ends (so that a write to it neither fails nor raises
+/// SIGPIPE, and a read does not see EOF).
+fn fuzz_fd(i: &mut Input, keep: &mut Vec<std::os::fd::OwnedFd>) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let kind = i.u8();
+    match kind % 7 {
+        0 => {
+            // SAFETY: eventfd takes plain integers and returns a new descriptor or -1.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+            // SAFETY: fd is new and owned here alone.
+            (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+        }
+        k @ (1 | 2) => {
+            let len = match i.u8() % 4 {
+                0 => 0,
+                1 => MEM as u64,
+                2 => u64::from(i.u8()) << 16,
+                _ => u64::from(i.u16()),
+            };
+            memfd(c"fuzz-fd", len, k == 1).map(OwnedFd::from)
+        }
+        k @ (3 | 4) => {
+            let mut p = [0; 2];
+            // SAFETY: p has room for the two descriptors pipe2 writes.
+            if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+                return None;
+            }
+            // SAFETY: p[0] is new and owned here alone.
+            let r = unsafe { OwnedFd::from_raw_fd(p[0]) };
+            // SAFETY: p[1] is new and owned here alone.
+            let w = unsafe { OwnedFd::from_raw_fd(p[1]) };
+            if k == 3 {
+                keep.push(w);
+                Some(r)
+            } else {
+                keep.push(r);
+                Some(w)
+            }
+        }
+        5 => std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/null")
+            .ok()
+            .map(OwnedFd::from),
+        _ => {
+            let (a, b) = std::os::unix::net::UnixStream::pair().ok()?;
+            keep.push(b.into());
+            Some(a.into())
+        }
+    }
+}
+
+/// The descriptors a message goes with: its own (`natural`: the memfd of a memory table, the
+/// eventfd of a kick…), the input's on top of them or in their place, at most
+/// [`MAX_MSG_FDS`].
+fn message_fds(
+    i: &mut Input,
+    natural: Vec<std::os::fd::OwnedFd>,
+    keep: &mut Vec<std::os::fd::OwnedFd>,
+) -> Vec<std::os::fd::OwnedFd> {
+    let spec = i.u8();
+    let mut fds = if spec >> 6 == 3 { Vec::new() } else { natural };
+    if spec >> 6 >= 2 {
+        let n = usize::from(i.u8()) % (MAX_MSG_FDS + 1);
+        for _ in 0..n {
+            if let Some(fd) = fuzz_fd(i, keep) {
+                fds.push(fd);
+            }
+        }
+    }
+    fds.truncate(MAX_MSG_FDS);
+    fds
+}
+
+/// Sends `bytes` in one `sendmsg`, `fds` attached (`SCM_RIGHTS`), as QEMU sends a message.
+fn send_with_fds(
+    sock: &std::os::unix::net::UnixStream,
+    bytes: &[u8],
+    fds: &[std::os::fd::OwnedFd],
+) {
+    use std::os::fd::AsRawFd;
+    let raw: Vec<libc::c_int> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr().cast_mut().cast(),
+        iov_len: bytes.len(),
     };
-    use vhost::vhost_user::VhostUserBackendReqHandlerMut;
+    // SAFETY: CMSG_SPACE only computes a length.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(raw.as_slice()) as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // SAFETY: msghdr is plain old data; all-zero is a valid empty value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &raw mut iov;
+    msg.msg_iovlen = 1;
+    if !raw.is_empty() {
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        // SAFETY: msg_control points at cbuf, big enough for one header and the fds.
+        let c = unsafe { libc::CMSG_FIRSTHDR(&raw const msg) };
+        // SAFETY: CMSG_LEN only computes a length.
+        let clen = unsafe { libc::CMSG_LEN(std::mem::size_of_val(raw.as_slice()) as u32) };
+        // SAFETY: c points at the first cmsghdr inside cbuf (zeroed, large enough).
+        let h = unsafe { &mut *c };
+        h.cmsg_level = libc::SOL_SOCKET;
+        h.cmsg_type = libc::SCM_RIGHTS;
+        h.cmsg_len = clen as usize;
+        // SAFETY: c is a valid cmsghdr; CMSG_DATA points at its payload inside cbuf.
+        let data = unsafe { libc::CMSG_DATA(c) }.cast::<libc::c_int>();
+        for (k, fd) in raw.iter().enumerate() {
+            // Pointer arithmetic only: k < raw.len() keeps it inside the payload.
+            let p = data.wrapping_add(k);
+            // SAFETY: the payload has room for raw.len() descriptors (CMSG_SPACE above);
+            // unaligned, as the payload has no alignment guarantee.
+            unsafe { p.write_unaligned(*fd) };
+        }
+    }
+    // SAFETY: msg points at live buffers of the lengths given. A failure (the session
+    // closed its end) is what the next step sees.
+    let _ = unsafe { libc::sendmsg(sock.as_raw_fd(), &raw const msg, libc::MSG_NOSIGNAL) };
+}
+
+/// Everything the back-end sent so far (replies), without waiting; descriptors that came
+/// with them (`GET_INFLIGHT_FD`'s memfd) are closed by the kernel, as no control buffer
+/// takes them.
+fn drain(sock: &std::os::unix::net::UnixStream) -> Vec<u8> {
+    use std::os::fd::AsRawFd;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        // SAFETY: buf is writable for its length.
+        let n = unsafe {
+            libc::recv(
+                sock.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n <= 0 {
+            return out;
+        }
+        out.extend_from_slice(&buf[..n as usize]);
+    }
+}
+
+/// Whether bytes wait to be read on `sock`.
+fn readable(sock: &std::os::unix::net::UnixStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut b = [0u8; 1];
+    // SAFETY: b is writable for its length; MSG_PEEK leaves the data queued.
+    let n = unsafe {
+        libc::recv(
+            sock.as_raw_fd(),
+            b.as_mut_ptr().cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n > 0
+}
+
+/// The bytes of a vhost-user message body.
+fn body<T: vm_memory::ByteValued>(v: &T) -> Vec<u8> {
+    v.as_slice().to_vec()
+}
+
+/// One front-end connection: the front-end's end of a socket pair, the back-end's end
+/// served by acceld's own per-message loop (`vhost::Session`, as `Server::run` serves).
+struct Peer {
+    fe: std::os::unix::net::UnixStream,
+    /// The back-end's end, to see whether a message waits (never read here).
+    be: std::os::unix::net::UnixStream,
+    session: acceld::vhost::Session,
+}
+
+impl Peer {
+    fn new(drive: &Arc<acceld::drive::Drive>, untrusted: bool) -> Option<Peer> {
+        let (fe, be) = std::os::unix::net::UnixStream::pair().ok()?;
+        let peek = be.try_clone().ok()?;
+        // Short waits for the rest of a message: the input can send half of one.
+        let mut session = acceld::vhost::Session::from_stream(
+            be,
+            drive.clone(),
+            std::time::Duration::from_millis(2),
+        );
+        session.set_untrusted(untrusted);
+        Some(Peer {
+            fe,
+            be: peek,
+            session,
+        })
+    }
+}
+
+/// A front-end's message sequence over a socket, into acceld's vhost-user message loop
+/// (`vhost::Session`, the vhost crate's parsing included): features, memory tables (a real
+/// memfd), rings anywhere in it, eventfds, enables, config, inflight and log regions, the
+/// backend channel, and raw messages of any code, flags and size; every message goes with
+/// the descriptors the input chooses (0 to 28: eventfds, sealed and unsealed memfds, pipe
+/// ends, /dev/null, sockets) on top of its own or in their place. Guest memory is written
+/// between messages, so queue workers start on random rings and pop random descriptors; a
+/// connection that ends is followed by a new one (QEMU reconnects). After each input the
+/// process holds exactly the descriptors it held before: every one acceld received was
+/// consumed or closed.
+pub fn vhost_user(data: &[u8]) {
+    use std::os::fd::OwnedFd;
+    use vhost::vhost_user::message::{
+        VhostUserConfig, VhostUserConfigFlags, VhostUserInflight, VhostUserLog, VhostUserMemory,
+        VhostUserMemoryRegion, VhostUserSingleMemoryRegion, VhostUserU64, VhostUserVringAddr,
+        VhostUserVringAddrFlags, VhostUserVringState,
+    };
     use vmm_sys_util::eventfd::EventFd;
 
     let w = vhost_world();
     // A clean guest for each input, so a crash reproduces from its input alone.
     // SAFETY: the whole mapping, MEM bytes.
     unsafe { std::ptr::write_bytes(w.map as *mut u8, 0, MEM) };
-    let cfg = acceld::drive::DriveConfig {
-        name: "fuzz".into(),
-        serial: "fuzz".into(),
-        capacity_bytes: DISK,
-        logical_block_size: 512,
-        read_only: false,
-        num_queues: 2,
-        queue_size: 256,
-        discard: acceld::drive::DiscardMode::Unmap,
-        poll_us: 0,
-        werror: acceld::drive::ErrorPolicy::Enospc,
-        rerror: acceld::drive::ErrorPolicy::Report,
-    };
-    let drive = acceld::drive::Drive::new(cfg, w.engine.clone());
-    let mut c = acceld::vhost::Connection::new(drive);
-    let mut i = Input { b: data };
-    let user_base: u64 = 0x7f00_0000_0000;
-    let mut kicks: Vec<EventFd> = Vec::new();
-    let file = || w.memfd.try_clone().ok();
-    let evfd = || {
-        EventFd::new(0)
-            .ok()
-            .and_then(|e| e.try_clone().ok().map(|f| (e, f)))
-    };
-    let as_file = |e: EventFd| {
-        use std::os::fd::IntoRawFd;
-        // SAFETY: into_raw_fd gives up ownership, which the File takes once.
-        unsafe { File::from_raw_fd(e.into_raw_fd()) }
-    };
-    let mut steps = 0;
-    while !i.done() && steps < 64 {
-        steps += 1;
-        let q = u32::from(i.u8() % 3);
-        match i.u8() % 27 {
-            0 => drop(c.set_owner()),
-            1 => drop(c.reset_owner()),
-            2 => drop(c.reset_device()),
-            3 => drop(c.get_features()),
-            4 => {
-                let f = c.get_features().unwrap_or(0);
-                let mask = i.u64();
-                drop(c.set_features(if mask & 1 == 0 { f & mask } else { mask }));
-            }
-            5 => drop(c.get_protocol_features()),
-            6 => drop(c.set_protocol_features(i.u64())),
-            7 => {
-                let gpa = u64::from(i.u16()) << 12;
-                let size = match i.u8() % 4 {
-                    0 => MEM as u64,
-                    1 => u64::from(i.u32()),
-                    2 => (MEM / 2) as u64,
-                    _ => u64::MAX - u64::from(i.u8()),
-                };
-                let off = u64::from(i.u8()) << 12;
-                let r = [VhostUserMemoryRegion::new(gpa, size, user_base, off)];
-                if let Some(f) = file() {
-                    drop(c.set_mem_table(&r, vec![f], None));
+    let fds_before = open_fds();
+    {
+        let cfg = acceld::drive::DriveConfig {
+            name: "fuzz".into(),
+            serial: "fuzz".into(),
+            capacity_bytes: DISK,
+            logical_block_size: 512,
+            read_only: false,
+            num_queues: 2,
+            queue_size: 256,
+            discard: acceld::drive::DiscardMode::Unmap,
+            poll_us: 0,
+            werror: acceld::drive::ErrorPolicy::Enospc,
+            rerror: acceld::drive::ErrorPolicy::Report,
+        };
+        let drive = acceld::drive::Drive::new(cfg, w.engine.clone());
+        let mut i = Input { b: data };
+        // A front-end that is not root must pass sealed memory.
+        let untrusted = i.u8() & 1 == 1;
+        let mut peer = Peer::new(&drive, untrusted);
+        let Ok(never) = EventFd::new(0) else {
+            return;
+        };
+        let user_base: u64 = 0x7f00_0000_0000;
+        let mut kicks: Vec<EventFd> = Vec::new();
+        let mut keep: Vec<OwnedFd> = Vec::new();
+        let world_fd = || w.memfd.try_clone().ok().map(OwnedFd::from);
+        let evfd = || {
+            EventFd::new(0)
+                .ok()
+                .and_then(|e| e.try_clone().ok().map(|f| (e, f)))
+        };
+        let ev_owned = |e: EventFd| {
+            use std::os::fd::{FromRawFd, IntoRawFd};
+            // SAFETY: into_raw_fd gives up ownership, which the OwnedFd takes once.
+            unsafe { OwnedFd::from_raw_fd(e.into_raw_fd()) }
+        };
+        let features = acceld::vhost::virtio_features(false);
+        let (mut steps, mut connections) = (0, 1);
+        // Whether every message so far was sent whole and as framed (a raw message may leave
+        // bytes that the next read takes as a header).
+        let mut framed = true;
+        while let Some(p) = peer.as_mut().filter(|_| !i.done() && steps < 64) {
+            steps += 1;
+            let q = u32::from(i.u8() % 3);
+            let step = i.u8() % 30;
+            // (request, body, the message's own descriptors), or a step without a message.
+            let (code, bytes, natural): (u32, Vec<u8>, Vec<OwnedFd>) = match step {
+                0 => (3, Vec::new(), Vec::new()),
+                1 => (4, Vec::new(), Vec::new()),
+                2 => (34, Vec::new(), Vec::new()),
+                3 => (1, Vec::new(), Vec::new()),
+                4 => {
+                    let mask = i.u64();
+                    let f = if mask & 1 == 0 { features & mask } else { mask };
+                    (2, body(&VhostUserU64::new(f)), Vec::new())
                 }
-            }
-            8 => drop(c.set_vring_num(q, u32::from(i.u16()))),
-            9 => {
-                let flags = VhostUserVringAddrFlags::from_bits_truncate(u32::from(i.u8()));
-                let a = |x: u16| user_base + u64::from(x) * 16;
-                let (d, u, av) = (a(i.u16()), a(i.u16()), a(i.u16()));
-                drop(c.set_vring_addr(q, flags, d, u, av, i.u64()));
-            }
-            10 => drop(c.set_vring_base(q, u32::from(i.u16()))),
-            11 => drop(c.get_vring_base(q)),
-            12 => {
-                if let Some((e, f)) = evfd() {
-                    kicks.push(e);
-                    drop(c.set_vring_kick(q as u8, Some(as_file(f))));
+                5 => (15, Vec::new(), Vec::new()),
+                6 => (16, body(&VhostUserU64::new(i.u64())), Vec::new()),
+                7 => {
+                    let gpa = u64::from(i.u16()) << 12;
+                    let size = match i.u8() % 4 {
+                        0 => MEM as u64,
+                        1 => u64::from(i.u32()),
+                        2 => (MEM / 2) as u64,
+                        _ => u64::MAX - u64::from(i.u8()),
+                    };
+                    let off = u64::from(i.u8()) << 12;
+                    let mut b = body(&VhostUserMemory::new(1));
+                    b.extend(body(&VhostUserMemoryRegion::new(gpa, size, user_base, off)));
+                    (5, b, world_fd().into_iter().collect())
                 }
-            }
-            13 => drop(c.set_vring_call(q as u8, evfd().map(|(_, f)| as_file(f)))),
-            14 => drop(c.set_vring_err(q as u8, evfd().map(|(_, f)| as_file(f)))),
-            15 => drop(c.set_vring_enable(q, i.u8() & 1 == 1)),
-            16 => {
-                let (off, size) = (u32::from(i.u8()), u32::from(i.u8()));
-                if let Ok(v) = c.get_config(off, size, VhostUserConfigFlags::empty()) {
-                    assert_eq!(v.len(), size as usize, "GET_CONFIG answers the size asked");
+                8 => (
+                    8,
+                    body(&VhostUserVringState::new(q, u32::from(i.u16()))),
+                    Vec::new(),
+                ),
+                9 => {
+                    let flags = VhostUserVringAddrFlags::from_bits_truncate(u32::from(i.u8()));
+                    let a = |x: u16| user_base + u64::from(x) * 16;
+                    let (d, u, av) = (a(i.u16()), a(i.u16()), a(i.u16()));
+                    let addr = VhostUserVringAddr::new(q, flags, d, u, av, i.u64());
+                    (9, body(&addr), Vec::new())
                 }
-            }
-            17 => {
-                let off = u32::from(i.u8());
-                let n = usize::from(i.u8() % 16);
-                let b = i.bytes(n).to_vec();
-                drop(c.set_config(off, &b, VhostUserConfigFlags::WRITABLE));
-            }
-            18 => drop(c.get_queue_num()),
-            19..=21 => {
-                let off = i.u32() as usize;
-                let n = usize::from(i.u8());
-                let b = i.bytes(n);
-                write_guest(w, off, b);
-            }
-            22 => {
-                for k in &kicks {
-                    let _ = k.write(1);
+                10 => (
+                    10,
+                    body(&VhostUserVringState::new(q, u32::from(i.u16()))),
+                    Vec::new(),
+                ),
+                11 => (11, body(&VhostUserVringState::new(q, 0)), Vec::new()),
+                12..=14 => {
+                    // VHOST_USER_VRING_NOFD_MASK when the input says so.
+                    let nofd = i.u8() & 1 == 1;
+                    let v = u64::from(q) | if nofd { 0x100 } else { 0 };
+                    let mut own = Vec::new();
+                    if let Some((e, f)) = evfd() {
+                        if step == 12 {
+                            kicks.push(e);
+                        }
+                        own.push(ev_owned(f));
+                    }
+                    (u32::from(step), body(&VhostUserU64::new(v)), own)
                 }
-            }
-            23 => {
-                let want = VhostUserInflight {
-                    mmap_size: 0,
-                    mmap_offset: 0,
-                    num_queues: u16::from(i.u8() % 4),
-                    queue_size: i.u16() % 1025,
-                };
-                drop(c.get_inflight_fd(&want));
-            }
-            24 => {
-                // A region the frontend claims: any shape over a file of any size.
-                let info = VhostUserInflight {
-                    mmap_size: u64::from(i.u32()),
-                    mmap_offset: u64::from(i.u16()) << 12,
-                    num_queues: u16::from(i.u8() % 4),
-                    queue_size: i.u16() % 1025,
-                };
-                let len = u64::from(i.u16()) * 64;
-                // SAFETY: memfd_create with a valid NUL-terminated name.
-                let fd = unsafe { libc::memfd_create(c"fuzz-inflight".as_ptr(), 0) };
-                if fd >= 0 {
-                    // SAFETY: fd is a new descriptor nothing else owns.
-                    let f = unsafe { File::from_raw_fd(fd) };
-                    if f.set_len(len).is_ok() {
-                        drop(c.set_inflight_fd(&info, f));
+                15 => (
+                    18,
+                    body(&VhostUserVringState::new(q, u32::from(i.u8() & 1))),
+                    Vec::new(),
+                ),
+                16 => {
+                    let (off, size) = (u32::from(i.u8()), u32::from(i.u8()));
+                    let mut b = body(&VhostUserConfig::new(
+                        off,
+                        size,
+                        VhostUserConfigFlags::empty(),
+                    ));
+                    b.resize(b.len() + size as usize, 0);
+                    (24, b, Vec::new())
+                }
+                17 => {
+                    let off = u32::from(i.u8());
+                    let n = usize::from(i.u8() % 16);
+                    let payload = i.bytes(n).to_vec();
+                    let mut b = body(&VhostUserConfig::new(
+                        off,
+                        payload.len() as u32,
+                        VhostUserConfigFlags::WRITABLE,
+                    ));
+                    b.extend(payload);
+                    (25, b, Vec::new())
+                }
+                18 => (17, Vec::new(), Vec::new()),
+                19..=21 => {
+                    let off = i.u32() as usize;
+                    let n = usize::from(i.u8());
+                    let b = i.bytes(n);
+                    write_guest(w, off, b);
+                    continue;
+                }
+                22 => {
+                    for k in &kicks {
+                        let _ = k.write(1);
+                    }
+                    continue;
+                }
+                23 => {
+                    let want = VhostUserInflight {
+                        mmap_size: 0,
+                        mmap_offset: 0,
+                        num_queues: u16::from(i.u8() % 4),
+                        queue_size: i.u16() % 1025,
+                    };
+                    (31, body(&want), Vec::new())
+                }
+                24 => {
+                    // A region the frontend claims: any shape over a file of any size.
+                    let info = VhostUserInflight {
+                        mmap_size: u64::from(i.u32()),
+                        mmap_offset: u64::from(i.u16()) << 12,
+                        num_queues: u16::from(i.u8() % 4),
+                        queue_size: i.u16() % 1025,
+                    };
+                    let len = u64::from(i.u16()) * 64;
+                    let own = memfd(c"fuzz-inflight", len, i.u8() & 1 == 1).map(OwnedFd::from);
+                    (32, body(&info), own.into_iter().collect())
+                }
+                25 => {
+                    // A dirty log of any claimed shape over a file of any size (marks go to it
+                    // once LOG_ALL is acked, from every completion and used ring).
+                    let log = VhostUserLog {
+                        mmap_size: u64::from(i.u32()),
+                        mmap_offset: u64::from(i.u16()),
+                    };
+                    let len = u64::from(i.u16()) * 8;
+                    let own = memfd(c"fuzz-log", len, i.u8() & 1 == 1).map(OwnedFd::from);
+                    (6, body(&log), own.into_iter().collect())
+                }
+                26 => {
+                    let gpa = u64::from(i.u16()) << 20;
+                    let r = VhostUserSingleMemoryRegion::new(gpa, MEM as u64, user_base, 0);
+                    if i.u8() & 1 == 0 {
+                        (37, body(&r), world_fd().into_iter().collect())
+                    } else {
+                        (38, body(&r), Vec::new())
                     }
                 }
-            }
-            25 => {
-                // A dirty log of any claimed shape over a file of any size (marks go to it
-                // once LOG_ALL is acked, from every completion and used ring).
-                let log = vhost::vhost_user::message::VhostUserLog {
-                    mmap_size: u64::from(i.u32()),
-                    mmap_offset: u64::from(i.u16()),
-                };
-                let len = u64::from(i.u16()) * 8;
-                // SAFETY: memfd_create with a valid NUL-terminated name.
-                let fd = unsafe { libc::memfd_create(c"fuzz-log".as_ptr(), 0) };
-                if fd >= 0 {
-                    // SAFETY: fd is a new descriptor nothing else owns.
-                    let f = unsafe { File::from_raw_fd(fd) };
-                    if f.set_len(len).is_ok() {
-                        drop(c.set_log_base(&log, f));
+                27 => {
+                    // The backend channel: a socket whose other end stays open.
+                    let mut own = Vec::new();
+                    if let Ok((a, b)) = std::os::unix::net::UnixStream::pair() {
+                        keep.push(b.into());
+                        own.push(a.into());
                     }
+                    (21, Vec::new(), own)
+                }
+                28 => (36, Vec::new(), Vec::new()),
+                _ => {
+                    // Any request, flags and size: the header as the input writes it.
+                    let code = u32::from(i.u8());
+                    let flags = i.u32();
+                    let n = usize::from(i.u16() % 512);
+                    let b = i.bytes(n).to_vec();
+                    let size = if i.u8() & 1 == 0 {
+                        b.len() as u32
+                    } else {
+                        u32::from(i.u16())
+                    };
+                    let mut m = Vec::with_capacity(12 + b.len());
+                    m.extend_from_slice(&code.to_le_bytes());
+                    m.extend_from_slice(&flags.to_le_bytes());
+                    m.extend_from_slice(&size.to_le_bytes());
+                    m.extend(b);
+                    (u32::MAX, m, Vec::new())
+                }
+            };
+            // Version 1, and a reply asked for (REPLY_ACK) when the input says so.
+            let need_reply = i.u8() & 1 == 1;
+            let fds = message_fds(&mut i, natural, &mut keep);
+            let msg = if code == u32::MAX {
+                framed = false;
+                bytes.clone()
+            } else {
+                let mut m = Vec::with_capacity(12 + bytes.len());
+                m.extend_from_slice(&code.to_le_bytes());
+                m.extend_from_slice(&(1u32 | if need_reply { 8 } else { 0 }).to_le_bytes());
+                m.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+                m.extend(&bytes);
+                m
+            };
+            send_with_fds(&p.fe, &msg, &fds);
+            drop(fds);
+            // One message in, one served (a message that broke the framing leaves bytes
+            // for the next; never a wait on an empty socket).
+            let served = if readable(&p.be) {
+                p.session
+                    .serve_next(std::os::fd::AsRawFd::as_raw_fd(&never))
+            } else {
+                acceld::vhost::Served::Closed
+            };
+            let replies = drain(&p.fe);
+            if framed && code == 24 && served == acceld::vhost::Served::Next && replies.len() >= 24
+            {
+                // GET_CONFIG answers the size asked (offset + size within the 256 bytes of
+                // config space always is) or, refusing, nothing.
+                let asked = u32::from_le_bytes(bytes[4..8].try_into().expect("4"));
+                let off = u32::from_le_bytes(bytes[0..4].try_into().expect("4"));
+                let got = u32::from_le_bytes(replies[16..20].try_into().expect("4"));
+                assert_eq!(replies.len(), 24 + got as usize, "GET_CONFIG reply framing");
+                if off + asked <= 256 {
+                    assert_eq!(got, asked, "GET_CONFIG answers the size asked");
                 }
             }
-            _ => {
-                let gpa = u64::from(i.u16()) << 20;
-                let r = VhostUserSingleMemoryRegion::new(gpa, MEM as u64, user_base, 0);
-                if i.u8() & 1 == 0 {
-                    if let Some(f) = file() {
-                        drop(c.add_mem_region(&r, f, None));
-                    }
-                } else {
-                    drop(c.remove_mem_region(&r));
+            if served == acceld::vhost::Served::Closed {
+                // Dropping the session drains and stops every queue, as a disconnect does;
+                // then QEMU reconnects.
+                peer = None;
+                connections += 1;
+                if connections <= 4 {
+                    peer = Peer::new(&drive, untrusted);
+                    framed = true;
                 }
             }
         }
+        // The last connection ends, drained, as a disconnect does.
+        drop(peer);
+        drop(kicks);
+        drop(keep);
     }
-    // Dropping the connection drains and stops every queue, as a disconnect does.
-    drop(c);
+    let fds_after = open_fds();
+    assert!(
+        fds_after == fds_before,
+        "descriptors left open by the input: before {fds_before:?}, after {fds_after:?}"
+    );
 }
 
 /// Seeds for the plain runner: well-formed inputs its mutations start from.
@@ -505,17 +871,54 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             b"id=d0,image=/var/lib/i.raw,format=qcow2,read-only=on,serial=abc,queues=4,discard=unmap,direct=off,logical-block-size=4096".to_vec(),
         ],
         "vhost_user" => {
-            // owner, features, protocol features, memory table, a queue set up and enabled,
-            // an avail ring entry, a kick.
-            let mut s = vec![0, 0, 0, 4, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xfe];
-            s.extend_from_slice(&[0, 6, 0x0b, 0, 0, 0, 0, 0, 0, 0]);
-            s.extend_from_slice(&[0, 7, 0, 0, 0, 0]);
-            s.extend_from_slice(&[0, 8, 64, 0]);
-            s.extend_from_slice(&[0, 9, 0, 0, 0, 0, 1, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
-            s.extend_from_slice(&[0, 12, 0, 13, 0, 15, 1]);
-            s.extend_from_slice(&[0, 19, 0, 0x10, 0, 0, 6, 0, 0, 1, 0, 0, 0]);
-            s.extend_from_slice(&[0, 22, 0, 11]);
-            vec![s]
+            // Each message step: queue, step, its arguments, the reply bit, the descriptor
+            // byte (0: the message's own; 0x80, N, kinds…: N more on top).
+            let msg = |q: u8, step: u8, args: &[u8], fds: &[u8]| {
+                let mut m = vec![q, step];
+                m.extend_from_slice(args);
+                m.push(0);
+                if fds.is_empty() {
+                    m.push(0);
+                } else {
+                    m.push(0x80);
+                    m.push(fds.len() as u8);
+                    m.extend_from_slice(fds);
+                }
+                m
+            };
+            // Trusted front-end; owner, features, protocol features (MQ, LOG_SHMFD,
+            // REPLY_ACK, BACKEND_REQ, CONFIG, INFLIGHT_SHMFD, CONFIGURE_MEM_SLOTS), memory
+            // table, a queue set up and enabled, an avail ring entry, a kick, config, stop.
+            let mut s = vec![0];
+            s.extend(msg(0, 0, &[], &[]));
+            s.extend(msg(0, 4, &[0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff], &[]));
+            s.extend(msg(0, 6, &[0x2b, 0x92, 0, 0, 0, 0, 0, 0], &[]));
+            s.extend(msg(0, 7, &[0, 0, 0, 0], &[]));
+            s.extend(msg(0, 8, &[64, 0], &[]));
+            s.extend(msg(0, 9, &[0, 0, 0, 0, 1, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0], &[]));
+            s.extend(msg(0, 12, &[0], &[]));
+            s.extend(msg(0, 13, &[0], &[]));
+            s.extend(msg(0, 15, &[1], &[]));
+            s.extend_from_slice(&[0, 19, 0, 0x02, 0, 0, 6, 0, 0, 1, 0, 0, 0]);
+            s.extend_from_slice(&[0, 22]);
+            s.extend(msg(0, 16, &[0, 60], &[]));
+            s.extend(msg(0, 11, &[], &[]));
+            // The same front-end not root, and descriptors of every kind on top of messages:
+            // 28 on the backend channel (the peek once kept 20 of them), on a memory table,
+            // a kick, a header-only request and an inflight region.
+            let every: Vec<u8> = (0..28u8).map(|k| k % 7).flat_map(|k| {
+                if k == 1 || k == 2 { vec![k, 2, 4] } else { vec![k] }
+            }).collect();
+            let mut t = vec![1];
+            t.extend(msg(0, 0, &[], &[]));
+            t.extend(msg(0, 6, &[0x2b, 0x92, 0, 0, 0, 0, 0, 0], &[]));
+            t.extend(msg(0, 27, &[], &every));
+            t.extend(msg(0, 7, &[0, 0, 0, 0], &every));
+            t.extend(msg(0, 12, &[0], &[1, 2, 3, 4]));
+            t.extend(msg(0, 3, &[], &every));
+            t.extend(msg(0, 24, &[0, 0x10, 0, 0, 0, 0, 1, 0, 0, 1, 1, 0], &every));
+            t.extend(msg(0, 23, &[1, 0, 1], &[]));
+            vec![s, t]
         }
         _ => Vec::new(),
     }

@@ -994,6 +994,7 @@ pub fn check_pattern(disk_offset: u64, seed: u64, buf: &[u8]) -> Result<(), u64>
     Ok(())
 }
 
+pub mod acceld_run;
 pub mod fake_qemu;
 pub mod harness;
 pub mod hostile_nbd;

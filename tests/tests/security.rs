@@ -7,6 +7,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
+use accel_tests::acceld_run::AcceldRun;
 use accel_tests::harness::{ServerOptions, TestServer};
 use accel_tests::{BlkFrontend, FrontendOptions, S_OK, T_IN, T_OUT};
 
@@ -392,4 +393,280 @@ fn unsealed_memory_from_a_user_front_end_is_refused() {
         mmap_handle: unsealed.file.as_raw_fd(),
     }])
     .expect("root's memory table");
+}
+
+/// A local port nobody listens on now (the metrics endpoint's, for one test).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET /metrics` on `addr`: the whole answer (acceld closes after it).
+fn get_metrics(s: &mut std::net::TcpStream) -> String {
+    use std::io::{Read, Write};
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    resp
+}
+
+/// CPU time (user + system) of process `pid` so far, in clock ticks (`/proc/PID/stat`).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces) in parentheses.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// Any local user can reach the metrics endpoint. 16 connections that send nothing take
+/// every slot: a 17th `GET /metrics` waits in the backlog and is answered once the first
+/// silent one times out (5 s), not before and not much later; each silent one is closed at
+/// its timeout; acceld neither spins meanwhile nor stops answering its control socket.
+#[test]
+fn silent_metrics_clients_hold_a_slot_for_five_seconds_at_most() {
+    use std::io::Read;
+    use std::net::TcpStream;
+    use std::time::Instant;
+    let port = free_port();
+    let a = AcceldRun::start(
+        "acceld_run_child",
+        &format!("metrics-addr = \"127.0.0.1:{port}\"\n"),
+    );
+    a.wait_ready();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let first = get_metrics(&mut TcpStream::connect(addr).unwrap());
+    assert!(first.starts_with("HTTP/1.0 200 OK"), "{first}");
+
+    let t0 = Instant::now();
+    let cpu0 = cpu_ticks(a.pid());
+    let silent: Vec<TcpStream> = (0..16).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let mut next = TcpStream::connect(addr).unwrap();
+    next.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    // Meanwhile the control socket answers at once.
+    let t = Instant::now();
+    let st = a.status(Duration::from_secs(5));
+    assert!(st.ok, "{st:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "status took {:?} while the metrics slots were taken",
+        t.elapsed()
+    );
+    let resp = get_metrics(&mut next);
+    let waited = t0.elapsed();
+    assert!(resp.starts_with("HTTP/1.0 200 OK"), "{resp}");
+    assert!(
+        waited >= Duration::from_millis(4900),
+        "answered after {waited:?}: the 16 silent clients did not hold the 16 slots"
+    );
+    assert!(
+        waited < Duration::from_secs(7),
+        "answered only after {waited:?}: a silent client held its slot past its timeout"
+    );
+    // Five seconds of acceld waiting: well under a second of CPU (a spin takes them all).
+    let ticks = cpu_ticks(a.pid()) - cpu0;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    assert!(
+        ticks < hz / 2,
+        "acceld used {ticks} ticks of {hz}/s while it waited"
+    );
+    for mut s in silent {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 64];
+        match s.read(&mut b) {
+            Ok(0) => {}
+            Ok(n) => panic!("a silent client got {n} bytes"),
+            Err(e) => panic!("a silent client was not closed at its timeout: {e}"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "the child of AcceldRun::start (acceld run)"]
+fn acceld_run_child() {
+    accel_tests::acceld_run::child_main();
+}
+
+/// Out of descriptors, acceld's accept loops wait instead of spinning: a connection they
+/// cannot accept stays in the listener's backlog, so a loop that retries at once takes a
+/// whole core and writes a log line per try. acceld runs with 128 descriptors; root's
+/// control clients take them all; a metrics client comes on top. Then acceld must stay
+/// nearly idle with few log lines, and serve both waiting clients once descriptors are free.
+#[test]
+fn out_of_descriptors_the_accept_loops_wait_instead_of_spinning() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::TcpStream;
+    use std::os::unix::net::UnixStream;
+    let port = free_port();
+    let wrapper = ["prlimit", "--nofile=128:128", "--"].map(String::from);
+    let a = AcceldRun::start_under(
+        &wrapper,
+        "acceld_run_child",
+        &format!("metrics-addr = \"127.0.0.1:{port}\"\n"),
+    );
+    a.wait_ready();
+    let status = |s: &UnixStream, wait: Duration| -> bool {
+        s.set_read_timeout(Some(wait)).unwrap();
+        (&*s).write_all(b"{\"op\":\"status\"}\n").unwrap();
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).is_ok_and(|n| n > 0)
+    };
+    // Control clients until one is not accepted: each answered one holds a descriptor of
+    // acceld's.
+    let mut held = Vec::new();
+    let pending = loop {
+        let s = UnixStream::connect(a.control_socket()).unwrap();
+        if !status(&s, Duration::from_millis(500)) {
+            break s;
+        }
+        held.push(s);
+        assert!(held.len() < 200, "acceld never ran out of descriptors");
+    };
+    let mut metrics = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    metrics
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let lines_before = a.log().lines().count();
+    let cpu0 = cpu_ticks(a.pid());
+    // A measurement window: no event marks the absence of a spin.
+    std::thread::sleep(Duration::from_secs(2));
+    let ticks = cpu_ticks(a.pid()) - cpu0;
+    let lines = a.log().lines().count() - lines_before;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    assert!(
+        ticks < hz / 2,
+        "acceld used {ticks} ticks of {hz}/s in 2 s out of descriptors"
+    );
+    assert!(lines < 20, "{lines} log lines in 2 s out of descriptors");
+    // Descriptors back: both waiting clients are served.
+    held.truncate(held.len() - 8);
+    let mut line = String::new();
+    pending
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    BufReader::new(&pending).read_line(&mut line).unwrap();
+    assert!(line.contains("\"ok\":true"), "{line}");
+    let resp = get_metrics(&mut metrics);
+    assert!(resp.starts_with("HTTP/1.0 200 OK"), "{resp}");
+    drop(held);
+}
+
+/// The qemu engine connects to `RUN_DIR/VM/nbd.sock`, in the directory QEMU's user owns: a
+/// listener planted there that never accepts, its backlog full, held `UnixStream::connect`
+/// (and the switch, or the graph probe, that waited on it) for ever. Now the connect gives
+/// up after 5 s, inside the handshake's 30 s, with a timeout error.
+#[test]
+fn a_planted_nbd_socket_that_never_accepts_fails_the_connect_in_time() {
+    use acceld::engine::nbd::{self, NbdEngine, NbdError};
+    use std::time::Instant;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let (_listener, held) = plant_full_listener(&sock);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = sock;
+    std::thread::spawn(move || {
+        let t0 = Instant::now();
+        let r = NbdEngine::connect(&p, "accel-d0").map(|_| ());
+        let engine = (r, t0.elapsed());
+        let t0 = Instant::now();
+        let greets = (nbd::greets(&p, Duration::from_secs(2)), t0.elapsed());
+        let _ = tx.send((engine, greets));
+    });
+    let ((r, took), (greets, greets_took)) = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the NBD connect hung on a planted socket");
+    match r {
+        Err(NbdError::Connect { source, .. }) => {
+            assert_eq!(source.kind(), std::io::ErrorKind::TimedOut, "{source}")
+        }
+        other => panic!("expected a connect error, got {other:?}"),
+    }
+    assert!(
+        took >= Duration::from_secs(4) && took < Duration::from_secs(10),
+        "the connect gave up after {took:?}"
+    );
+    assert!(!greets, "a listener that never accepts greets");
+    assert!(
+        greets_took < Duration::from_secs(4),
+        "greets waited {greets_took:?} for a 2 s probe"
+    );
+    for c in held {
+        // SAFETY: the test's own descriptors.
+        unsafe { libc::close(c) };
+    }
+}
+
+/// A front-end that sends half a message header and then nothing: the vhost crate reads
+/// the rest of a header in a loop that retries on EAGAIN, so the socket's 10 s receive
+/// timeout never ended that wait, and the drive's server thread stayed in it for ever: no
+/// other front-end served, and a shutdown of the drive (unregister, acceld's stop) waited
+/// for ever too. Now the server waits for a whole header first, at most 10 s, and a
+/// shutdown ends that wait.
+#[test]
+fn half_a_header_does_not_hold_the_drives_server() {
+    use std::io::Write;
+    let mut s = TestServer::start(&ServerOptions::default());
+    let mut sock = UnixStream::connect(&s.socket).unwrap();
+    // A whole VHOST_USER_GET_FEATURES and its reply: the server has taken the connection.
+    sock.write_all(&[1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0])
+        .unwrap();
+    let mut reply = [0u8; 20];
+    std::io::Read::read_exact(&mut sock, &mut reply).unwrap();
+    // Then 6 of the next header's 12 bytes, and time for the server to start reading them
+    // (nothing outside it marks that moment).
+    sock.write_all(&[1, 0, 0, 0, 1, 0]).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let t0 = std::time::Instant::now();
+        s.stop();
+        let _ = tx.send(t0.elapsed());
+    });
+    let took = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the drive's server never stopped: held by half a header");
+    assert!(took < Duration::from_secs(5), "the stop took {took:?}");
+    drop(sock);
+
+    // And without a shutdown, the connection ends at the message timeout (10 s in the
+    // server; here a session of 300 ms on a socket pair).
+    let (fe, be) = UnixStream::pair().unwrap();
+    let image = tempfile::NamedTempFile::new().unwrap();
+    image.as_file().set_len(1 << 20).unwrap();
+    let o = ServerOptions::default();
+    let drive = acceld::drive::Drive::new(
+        acceld::drive::DriveConfig {
+            name: "half".into(),
+            serial: String::new(),
+            capacity_bytes: 1 << 20,
+            logical_block_size: 512,
+            read_only: false,
+            num_queues: 1,
+            queue_size: 256,
+            discard: acceld::drive::DiscardMode::Unmap,
+            poll_us: 0,
+            werror: o.werror,
+            rerror: o.rerror,
+        },
+        accel_tests::harness::file_engine(image.path(), &o),
+    );
+    let mut session = acceld::vhost::Session::from_stream(be, drive, Duration::from_millis(300));
+    let never = vmm_sys_util::eventfd::EventFd::new(0).unwrap();
+    (&fe).write_all(&[1, 0, 0, 0, 1, 0]).unwrap();
+    let t0 = std::time::Instant::now();
+    assert_eq!(
+        session.serve_next(never.as_raw_fd()),
+        acceld::vhost::Served::Closed
+    );
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+        "closed after {took:?}"
+    );
 }

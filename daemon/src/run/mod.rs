@@ -1,6 +1,7 @@
 //! `acceld run`: the daemon. Loads the config, restores the registry from the state file,
 //! serves the control socket (`run/control.rs`), optional Prometheus metrics, and stops cleanly on
-//! SIGTERM (every drive drained; QEMU left as it is for the next start).
+//! SIGTERM (every drive drained; QEMU left as it is for the next start). Under systemd
+//! (`Type=notify`) it says when it serves and when it stops (`run/notify.rs`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -14,10 +15,12 @@ use crate::supervisor::{Config, SupError, Supervisor};
 
 mod control;
 mod metrics;
+pub mod notify;
 
 pub use control::{dispatch, parse_request, MAX_REQUEST};
 use control::{handle_client, Scope};
 use metrics::serve_metrics;
+use notify::{tell, Notifier};
 
 /// Run the supervisor daemon.
 #[derive(Args, Clone, Debug)]
@@ -60,6 +63,11 @@ pub enum RunError {
     Supervisor(#[from] SupError),
 }
 
+/// How long the control socket's accept loop waits after a failed accept.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+/// Failed accepts of the control socket logged (5 per 10 s).
+static ACCEPT_LOG: crate::util::LogLimit = crate::util::LogLimit::new(5, Duration::from_secs(10));
+
 pub fn load_config(args: &RunArgs) -> Result<Config, RunError> {
     let mut cfg = match &args.config {
         Some(path) => {
@@ -87,19 +95,21 @@ pub fn load_config(args: &RunArgs) -> Result<Config, RunError> {
 
 pub fn run(args: &RunArgs) -> Result<(), RunError> {
     let cfg = load_config(args)?;
+    // Before the runtime's threads start: this takes NOTIFY_SOCKET out of the environment.
+    let notifier = Notifier::take_from_env();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .thread_name("acceld-sup")
         .build()
         .map_err(RunError::Runtime)?;
-    let r = rt.block_on(run_async(cfg));
+    let r = rt.block_on(run_async(cfg, notifier.as_ref()));
     // Tasks still blocked in a drain have been given up on (the shutdown bound).
     rt.shutdown_timeout(Duration::from_secs(1));
     r
 }
 
-async fn run_async(cfg: Config) -> Result<(), RunError> {
+async fn run_async(cfg: Config, notifier: Option<&Notifier>) -> Result<(), RunError> {
     std::fs::create_dir_all(&cfg.run_dir).map_err(|source| RunError::Listen {
         path: cfg.run_dir.clone(),
         source,
@@ -163,6 +173,9 @@ async fn run_async(cfg: Config) -> Result<(), RunError> {
         .map_err(RunError::Runtime)?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
         .map_err(RunError::Runtime)?;
+    // The control socket is bound, the registry restored, SIGTERM handled: from here on the
+    // loop below accepts (what connected meanwhile waits in the listener's backlog).
+    tell(notifier, Notifier::ready);
     loop {
         tokio::select! {
             c = listener.accept() => match c {
@@ -180,12 +193,20 @@ async fn run_async(cfg: Config) -> Result<(), RunError> {
                         Err(e) => warn!("control socket: no peer credentials: {e}"),
                     }
                 }
-                Err(e) => warn!("control socket accept: {e}"),
+                Err(e) => {
+                    // Out of descriptors (or memory), the connection stays in the backlog
+                    // and the next accept fails at once: wait instead of spinning.
+                    if let Some(n) = ACCEPT_LOG.admit() {
+                        warn!("control socket accept: {e}{}", crate::util::suppressed(n));
+                    }
+                    tokio::time::sleep(ACCEPT_RETRY).await;
+                }
             },
             _ = term.recv() => break,
             _ = int.recv() => break,
         }
     }
+    tell(notifier, Notifier::stopping);
     let bound = Duration::from_millis(shutdown_timeout_ms);
     info!(
         bound_ms = shutdown_timeout_ms,

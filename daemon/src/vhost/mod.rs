@@ -12,7 +12,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use thiserror::Error;
@@ -24,7 +24,7 @@ use vhost::vhost_user::message::{
     VhostUserVringAddrFlags, VhostUserVringState,
 };
 use vhost::vhost_user::{
-    BackendListener, Error as VuError, GpuBackend, Listener, Result as VuResult,
+    BackendListener, BackendReqHandler, Error as VuError, GpuBackend, Listener, Result as VuResult,
     VhostUserBackendReqHandlerMut,
 };
 use vhost::VhostUserMemoryRegionBase;
@@ -879,8 +879,7 @@ impl Server {
     /// is drained (every popped request completes) before the socket closes, so a frontend that
     /// reconnects later replays nothing.
     pub fn run(&mut self) -> Result<(), ServeError> {
-        let stop = AtomicBool::new(false);
-        while !stop.load(Ordering::Relaxed) {
+        loop {
             match wait_readable(self.listener.as_raw_fd(), self.shutdown.as_raw_fd())
                 .map_err(ServeError::Poll)?
             {
@@ -890,77 +889,171 @@ impl Server {
             let conn = Arc::new(Mutex::new(Connection::new(self.drive.clone())));
             let mut bl = BackendListener::new(&mut self.listener, conn.clone())
                 .map_err(ServeError::Accept)?;
-            let Some(mut handler) = bl.accept().map_err(ServeError::Accept)? else {
+            let Some(handler) = bl.accept().map_err(ServeError::Accept)? else {
                 continue;
             };
             self.connections += 1;
             let peer = crate::util::peer_uid(handler.as_raw_fd());
-            lock(&conn).untrusted = peer != Some(0);
-            // A frontend that sends half a message (or stops reading replies) must not hold
-            // this thread forever: QEMU sends each message whole.
-            if let Err(e) = set_socket_timeouts(handler.as_raw_fd(), MESSAGE_TIMEOUT) {
-                warn!(drive = %self.drive.config().name, "cannot bound the socket's waits: {e}");
-            }
-            let log = &self.drive.stats.log.vhost;
-            if let Some(n) = log.admit() {
+            let mut session = Session::new(self.drive.clone(), conn, handler, MESSAGE_TIMEOUT);
+            session.set_untrusted(peer != Some(0));
+            if let Some(n) = self.drive.stats.log.vhost.admit() {
                 info!(drive = %self.drive.config().name, socket = %self.path.display(), "frontend connected{}", crate::util::suppressed(n));
             }
-            loop {
-                match wait_readable(handler.as_raw_fd(), self.shutdown.as_raw_fd()) {
-                    Ok(Ready::Fd) => {}
-                    Ok(Ready::Shutdown) => {
-                        stop.store(true, Ordering::Relaxed);
-                        break;
-                    }
-                    Err(e) => {
-                        warn!("poll: {e}");
-                        break;
-                    }
+            let served = loop {
+                match session.serve_next(self.shutdown.as_raw_fd()) {
+                    Served::Next => {}
+                    end => break end,
                 }
-                if let Some(ch) = backend_channel::peek(handler.as_raw_fd()) {
-                    *lock(&self.drive.backend_channel) = Some(ch);
-                }
-                // Lent rings come back before any message of QEMU's front-end is handled
-                // (a ring stop, a memory table, dirty logging all find acceld serving).
-                match self.drive.with_rings_owned(|| handler.handle_request()) {
-                    Ok(()) => {}
-                    // The frontend's request was answered with an error; the stream is
-                    // intact, so the connection goes on.
-                    Err(
-                        e @ (VuError::InvalidParam
-                        | VuError::InvalidOperation(_)
-                        | VuError::InactiveFeature(_)
-                        | VuError::InactiveOperation(_)
-                        | VuError::ReqHandlerError(_)
-                        | VuError::FeatureMismatch),
-                    ) => {
-                        if let Some(n) = log.admit() {
-                            warn!(drive = %self.drive.config().name, "vhost-user request refused: {e}{}", crate::util::suppressed(n));
-                        }
-                        if lock(&conn).must_close() {
-                            break;
-                        }
-                    }
-                    Err(VuError::Disconnected) => {
-                        if let Some(n) = log.admit() {
-                            info!(drive = %self.drive.config().name, "frontend disconnected{}", crate::util::suppressed(n));
-                        }
-                        break;
-                    }
-                    Err(e) => {
-                        if let Some(n) = log.admit() {
-                            warn!(drive = %self.drive.config().name, "closing the connection: {e}{}", crate::util::suppressed(n));
-                        }
-                        break;
-                    }
-                }
+            };
+            // Dropping the session drains before the socket closes.
+            drop(session);
+            if served == Served::Shutdown {
+                break;
             }
-            // Drain before the socket closes (dropping the handler closes it).
-            self.drive.with_rings_owned(|| lock(&conn).stop_all());
-            *lock(&self.drive.backend_channel) = None;
-            drop(handler);
         }
         Ok(())
+    }
+}
+
+/// What [`Session::serve_next`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Served {
+    /// A message was handled (answered, or refused with the connection intact).
+    Next,
+    /// The connection is over: the front-end left, broke the protocol, or took too long.
+    Closed,
+    /// The server was asked to stop.
+    Shutdown,
+}
+
+/// One front-end's connection, served message by message as [`Server::run`] serves each: the
+/// backend channel's peek, the lent rings taken back, the errors that keep or end the
+/// connection. Dropping it drains every queue (every popped request completes) before the
+/// socket closes.
+pub struct Session {
+    drive: Arc<Drive>,
+    conn: Arc<Mutex<Connection>>,
+    handler: BackendReqHandler<Mutex<Connection>>,
+    timeout: std::time::Duration,
+}
+
+impl Session {
+    fn new(
+        drive: Arc<Drive>,
+        conn: Arc<Mutex<Connection>>,
+        handler: BackendReqHandler<Mutex<Connection>>,
+        timeout: std::time::Duration,
+    ) -> Self {
+        // A frontend that sends half a message (or stops reading replies) must not hold
+        // this thread forever: QEMU sends each message whole.
+        if let Err(e) = set_socket_timeouts(handler.as_raw_fd(), timeout) {
+            warn!(drive = %drive.config().name, "cannot bound the socket's waits: {e}");
+        }
+        Session {
+            drive,
+            conn,
+            handler,
+            timeout,
+        }
+    }
+
+    /// A session on a stream that is already connected (a socket pair: the fuzz target, tests),
+    /// waiting at most `timeout` for the rest of a message. The front-end is trusted as the
+    /// server trusts it: when its peer is root.
+    pub fn from_stream(
+        stream: std::os::unix::net::UnixStream,
+        drive: Arc<Drive>,
+        timeout: std::time::Duration,
+    ) -> Self {
+        let peer = crate::util::peer_uid(stream.as_raw_fd());
+        let conn = Arc::new(Mutex::new(Connection::new(drive.clone())));
+        let handler = BackendReqHandler::from_stream(stream, conn.clone());
+        let mut s = Session::new(drive, conn, handler, timeout);
+        s.set_untrusted(peer != Some(0));
+        s
+    }
+
+    /// Whether the front-end is held to the rules for one that is not root (sealed memory).
+    pub fn set_untrusted(&mut self, untrusted: bool) {
+        lock(&self.conn).untrusted = untrusted;
+    }
+
+    /// Waits for the next message (or for `shutdown`, an eventfd, to be signalled) and
+    /// handles it.
+    pub fn serve_next(&mut self, shutdown: RawFd) -> Served {
+        let fd = self.handler.as_raw_fd();
+        let log = &self.drive.stats.log.vhost;
+        let name = &self.drive.config().name;
+        match wait_readable(fd, shutdown) {
+            Ok(Ready::Fd) => {}
+            Ok(Ready::Shutdown) => return Served::Shutdown,
+            Err(e) => {
+                warn!("poll: {e}");
+                return Served::Closed;
+            }
+        }
+        match wait_header(fd, shutdown, self.timeout) {
+            Ok(HeaderWait::Ready) => {}
+            Ok(HeaderWait::Shutdown) => return Served::Shutdown,
+            Ok(HeaderWait::TimedOut) => {
+                if let Some(n) = log.admit() {
+                    warn!(drive = %name, "part of a message header and nothing more for {:?}: closing the connection{}", self.timeout, crate::util::suppressed(n));
+                }
+                return Served::Closed;
+            }
+            Err(e) => {
+                warn!("poll: {e}");
+                return Served::Closed;
+            }
+        }
+        if let Some(ch) = backend_channel::peek(fd) {
+            *lock(&self.drive.backend_channel) = Some(ch);
+        }
+        // Lent rings come back before any message of QEMU's front-end is handled
+        // (a ring stop, a memory table, dirty logging all find acceld serving).
+        let handler = &mut self.handler;
+        match self.drive.with_rings_owned(|| handler.handle_request()) {
+            Ok(()) => Served::Next,
+            // The frontend's request was answered with an error; the stream is
+            // intact, so the connection goes on.
+            Err(
+                e @ (VuError::InvalidParam
+                | VuError::InvalidOperation(_)
+                | VuError::InactiveFeature(_)
+                | VuError::InactiveOperation(_)
+                | VuError::ReqHandlerError(_)
+                | VuError::FeatureMismatch),
+            ) => {
+                if let Some(n) = log.admit() {
+                    warn!(drive = %name, "vhost-user request refused: {e}{}", crate::util::suppressed(n));
+                }
+                if lock(&self.conn).must_close() {
+                    Served::Closed
+                } else {
+                    Served::Next
+                }
+            }
+            Err(VuError::Disconnected) => {
+                if let Some(n) = log.admit() {
+                    info!(drive = %name, "frontend disconnected{}", crate::util::suppressed(n));
+                }
+                Served::Closed
+            }
+            Err(e) => {
+                if let Some(n) = log.admit() {
+                    warn!(drive = %name, "closing the connection: {e}{}", crate::util::suppressed(n));
+                }
+                Served::Closed
+            }
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Drain before the socket closes (the handler, dropped after this, closes it).
+        self.drive.with_rings_owned(|| lock(&self.conn).stop_all());
+        *lock(&self.drive.backend_channel) = None;
     }
 }
 
@@ -999,6 +1092,71 @@ fn set_socket_timeouts(fd: RawFd, t: std::time::Duration) -> io::Result<()> {
 enum Ready {
     Fd,
     Shutdown,
+}
+
+/// How often a server waiting for the rest of a message header looks again.
+const HEADER_POLL: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// A vhost-user message header's size (request, flags, size: three u32).
+const HEADER_LEN: usize = 12;
+
+enum HeaderWait {
+    /// A whole header is queued, or the stream ended or failed: the crate's read sees which.
+    Ready,
+    Shutdown,
+    TimedOut,
+}
+
+/// Waits until a whole message header is queued on `fd` (at most `timeout`, and no longer
+/// than `shutdown` stays quiet). The vhost crate reads a header in a loop that retries when
+/// the socket's receive timeout ends, so without this wait a front-end that sends part of a
+/// header and then nothing held the server's thread for ever, a shutdown included. QEMU sends
+/// each message in one `sendmsg`: its headers arrive whole, and this costs one peek.
+fn wait_header(fd: RawFd, shutdown: RawFd, timeout: std::time::Duration) -> io::Result<HeaderWait> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut hdr = [0u8; HEADER_LEN];
+    loop {
+        // SAFETY: hdr is a writable buffer of the length passed; MSG_PEEK leaves the data
+        // queued.
+        let n = unsafe {
+            libc::recv(
+                fd,
+                hdr.as_mut_ptr().cast(),
+                hdr.len(),
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => {}
+                _ => return Ok(HeaderWait::Ready),
+            }
+        } else if n == 0 || n as usize == HEADER_LEN {
+            return Ok(HeaderWait::Ready);
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Ok(HeaderWait::TimedOut);
+        }
+        let ms = left.min(HEADER_POLL).as_millis().max(1) as libc::c_int;
+        let mut p = libc::pollfd {
+            fd: shutdown,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: p is a valid pollfd for the duration of the call.
+        let r = unsafe { libc::poll(&raw mut p, 1, ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        } else if p.revents != 0 {
+            return Ok(HeaderWait::Shutdown);
+        }
+    }
 }
 
 fn wait_readable(fd: RawFd, shutdown: RawFd) -> io::Result<Ready> {

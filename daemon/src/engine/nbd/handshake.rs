@@ -60,6 +60,11 @@ const MAX_OPT_REPLIES: usize = 32;
 /// Longest the whole handshake may take: a server that trickles bytes cannot hold the
 /// connecting thread longer.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest wait for room in the server's backlog, within the handshake's deadline: QEMU's
+/// NBD server accepts from its main loop at once, while a listener that never accepts (one
+/// QEMU's user plants at `RUN_DIR/VM/nbd.sock`) would otherwise hold `connect` for ever. As
+/// long as the lend client's connect.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Reads from the socket until a deadline: every read gets the time left as its timeout.
 struct Deadline<'a> {
@@ -93,7 +98,7 @@ impl Read for Deadline<'_> {
 /// Whether an NBD server greets on `path` (a fixed-newstyle greeting within `timeout`). The
 /// connection is dropped before any option is sent.
 pub fn greets(path: &Path, timeout: Duration) -> bool {
-    let Ok(mut s) = UnixStream::connect(path) else {
+    let Ok(mut s) = crate::util::connect_unix(path, timeout.min(CONNECT_TIMEOUT)) else {
         return false;
     };
     if s.set_read_timeout(Some(timeout)).is_err() {
@@ -116,15 +121,15 @@ fn connect_within(
     export: &str,
     timeout: Duration,
 ) -> Result<(UnixStream, ExportInfo), NbdError> {
-    let sock = UnixStream::connect(path).map_err(|source| NbdError::Connect {
-        path: path.to_path_buf(),
-        source,
+    let until = std::time::Instant::now() + timeout;
+    let sock = crate::util::connect_unix(path, timeout.min(CONNECT_TIMEOUT)).map_err(|source| {
+        NbdError::Connect {
+            path: path.to_path_buf(),
+            source,
+        }
     })?;
     sock.set_write_timeout(Some(SEND_TIMEOUT))?;
-    let mut s = Deadline {
-        s: &sock,
-        until: std::time::Instant::now() + timeout,
-    };
+    let mut s = Deadline { s: &sock, until };
     let mut w = &sock;
     let magic = rd_u64(&mut s)?;
     let opt_magic = rd_u64(&mut s)?;
