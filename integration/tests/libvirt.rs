@@ -260,12 +260,15 @@ fn base64(b: &[u8]) -> String {
 struct Cleanup {
     hooks: PathBuf,
     conf: PathBuf,
+    doms: &'static [&'static str],
 }
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let _ = virsh(&["destroy", DOM]);
-        let _ = virsh(&["undefine", DOM]);
+        for dom in self.doms {
+            let _ = virsh(&["destroy", dom]);
+            let _ = virsh(&["undefine", dom]);
+        }
         if let Ok(ctl) = accelctl_bin() {
             let _ = Command::new(ctl)
                 .args(["libvirt", "uninstall", "--hooks-dir"])
@@ -357,6 +360,7 @@ fn scenario(user: Option<QemuUser>) -> Result<()> {
     let _cleanup = Cleanup {
         hooks: hooks.clone(),
         conf: conf.clone(),
+        doms: &[DOM],
     };
     let _ = virsh(&["destroy", DOM]);
     let _ = virsh(&["undefine", DOM]);
@@ -563,5 +567,206 @@ fn scenario(user: Option<QemuUser>) -> Result<()> {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(!run.join(DOM).exists(), "the VM's sockets are left");
+    Ok(())
+}
+
+const TWINS: [&str; 2] = ["accel-twin-plain", "accel-twin-conv"];
+
+/// What the guest sees of its disk, one `view KEY=VALUE` line each, then `VIEW-END`; the
+/// guest then powers off. (The tiny guest has no udev: `by-id` is empty in both, and the
+/// serial is what udev's `virtio-SERIAL` link would be made of.)
+const VIEW_SCRIPT: &str = r#"d=/sys/block/vda
+q=$d/queue
+for k in size ro; do echo "view $k=$(cat $d/$k)"; done
+echo "view serial=$(cat $d/serial 2>/dev/null)"
+echo "view queues=$(ls $d/mq | wc -l)"
+echo "view features=$(cat $d/device/features 2>/dev/null)"
+for k in logical_block_size physical_block_size minimum_io_size optimal_io_size discard_granularity discard_max_hw_bytes write_zeroes_max_bytes max_hw_sectors_kb max_segments max_segment_size rotational write_cache nr_requests; do echo "view $k=$(cat $q/$k 2>/dev/null)"; done
+echo "view by-id=$(ls /dev/disk/by-id 2>/dev/null | tr '\n' ' ')"
+echo VIEW-END
+"#;
+
+fn twin_xml(name: &str, uuid_tail: u32, dir: &Path, kernel: &Path, initrd: &Path) -> String {
+    let cmd = base64(VIEW_SCRIPT.as_bytes());
+    format!(
+        r#"<domain type='qemu'>
+  <name>{name}</name>
+  <uuid>0b6f2f9e-5a1c-4e7e-9d1e-acce1d0001{uuid_tail:02}</uuid>
+  <memory unit='MiB'>256</memory>
+  <vcpu>2</vcpu>
+  <features><acpi/></features>
+  <os>
+    <type arch='x86_64' machine='q35'>hvm</type>
+    <kernel>{}</kernel>
+    <initrd>{}</initrd>
+    <cmdline>console=ttyS0 panic=-1 testcmd={cmd}</cmdline>
+  </os>
+  <on_poweroff>destroy</on_poweroff><on_reboot>destroy</on_reboot><on_crash>destroy</on_crash>
+  <devices>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+    <disk type='file' device='disk'>
+      <driver name='qemu' type='raw' cache='none' io='native' discard='unmap'/>
+      <source file='{}/{name}.raw'/>
+      <target dev='vda' bus='virtio'/>
+    </disk>
+    <controller type='usb' model='none'/>
+    <serial type='unix'><source mode='bind' path='{}/{name}.serial'/><target port='0'/></serial>
+    <memballoon model='none'/>
+  </devices>
+  <seclabel type='static' model='dac' relabel='yes'><label>+0:+0</label></seclabel>
+</domain>
+"#,
+        kernel.display(),
+        initrd.display(),
+        dir.display(),
+        dir.display()
+    )
+}
+
+/// The taint flags libvirt logged for `dom` past `from` bytes of its log.
+fn taints_since(dom: &str, from: u64) -> Result<Vec<String>> {
+    let log = std::fs::read(format!("/var/log/libvirt/qemu/{dom}.log"))?;
+    let new = String::from_utf8_lossy(&log[(from as usize).min(log.len())..]).into_owned();
+    let mut t: Vec<String> = new
+        .lines()
+        .filter_map(|l| {
+            l.split_once("is tainted: ")
+                .map(|(_, f)| f.trim().to_string())
+        })
+        .collect();
+    t.sort();
+    Ok(t)
+}
+
+fn log_len(dom: &str) -> u64 {
+    std::fs::metadata(format!("/var/log/libvirt/qemu/{dom}.log")).map_or(0, |m| m.len())
+}
+
+/// A plain domain and its `accelctl libvirt convert` twin, one after the other under real
+/// libvirt: the guest's view of its disk (size, serial, queues, negotiated virtio features,
+/// block limits, discard and write-zeroes, write cache, queue depth) and libvirt's taint
+/// flags. Taints, size, serial, queue count, block sizes, write cache and `ro` are the same;
+/// the device-config differences still open (issue 29) are listed and must be exactly those.
+#[test]
+fn a_converted_domain_looks_like_its_plain_twin() -> Result<()> {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    if std::env::var("ACCEL_LIBVIRT_TESTS").as_deref() == Ok("0") {
+        eprintln!("ACCEL_LIBVIRT_TESTS=0: libvirt test left out");
+        return Ok(());
+    }
+    virsh(&["version"]).context("libvirtd must run (virtlogd -d; libvirtd -d), as .ci/run does")?;
+    let (kernel, initrd) = ensure_guest()?;
+    let dir = tempfile::Builder::new()
+        .prefix("accel-twins")
+        .tempdir_in("/var/tmp")?;
+    let d = dir.path();
+    let run = d.join("run");
+    let acc = AcceldRun::start(&run, CONFIG)?;
+    let bin = d.join("bin");
+    std::fs::create_dir_all(&bin)?;
+    let wrapper = bin.join("accel-qemu");
+    std::os::unix::fs::symlink(acceld_bin()?.with_file_name("accel-qemu"), &wrapper)?;
+    let conf = bin.join("accel-qemu.conf");
+    let hooks = PathBuf::from("/etc/libvirt/hooks");
+    let _cleanup = Cleanup {
+        hooks: hooks.clone(),
+        conf: conf.clone(),
+        doms: &TWINS,
+    };
+    for t in TWINS {
+        let _ = virsh(&["destroy", t]);
+        let _ = virsh(&["undefine", t]);
+    }
+    acc.ctl_ok(&[
+        "libvirt",
+        "install",
+        "--hooks-dir",
+        hooks.to_str().unwrap(),
+        "--conf",
+        conf.to_str().unwrap(),
+    ])?;
+    restart_libvirtd()?;
+    let mut seen = Vec::new();
+    for (i, name) in TWINS.into_iter().enumerate() {
+        std::fs::File::create(d.join(format!("{name}.raw")))?.set_len(64 << 20)?;
+        let xml = d.join(format!("{name}.xml"));
+        std::fs::write(&xml, twin_xml(name, i as u32, d, &kernel, &initrd))?;
+        if i == 1 {
+            let out = Command::new(accelctl_bin()?)
+                .args(["libvirt", "convert"])
+                .arg(&xml)
+                .arg("--emulator")
+                .arg(&wrapper)
+                .output()?;
+            assert!(
+                out.status.success(),
+                "convert: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::fs::write(&xml, &out.stdout)?;
+        }
+        virsh(&["define", xml.to_str().unwrap()])?;
+        let from = log_len(name);
+        virsh(&["start", name])?;
+        let mut serial = Serial::connect(&d.join(format!("{name}.serial")))?;
+        serial.wait_for("VIEW-END", Duration::from_secs(120))?;
+        wait_state(name, "shut off", Duration::from_secs(60))?;
+        let view: Vec<String> = serial
+            .seen
+            .iter()
+            .filter_map(|l| l.trim().strip_prefix("view ").map(str::to_string))
+            .collect();
+        let taints = taints_since(name, from)?;
+        println!("{name}: taints {taints:?}");
+        for l in &view {
+            println!("{name}: {l}");
+        }
+        virsh(&["undefine", name])?;
+        seen.push((view, taints));
+    }
+    let (plain, conv) = (&seen[0], &seen[1]);
+    assert!(
+        plain.0.len() > 10,
+        "the guest printed its view: {:?}",
+        plain.0
+    );
+    assert_eq!(plain.0.len(), conv.0.len(), "{:?}\n{:?}", plain.0, conv.0);
+    let differ: Vec<String> = plain
+        .0
+        .iter()
+        .zip(conv.0.iter())
+        .filter(|(a, b)| a != b)
+        .map(|(a, b)| format!("{a} | {b}"))
+        .collect();
+    let keys: Vec<&str> = differ
+        .iter()
+        .map(|l| l.split('=').next().unwrap_or(""))
+        .collect();
+    // What the guest can still tell today (docs/libvirt.md, "What the guest can tell"): the
+    // device config acceld copies from QEMU's vhost-user-blk export rather than from its
+    // virtio-blk (SIZE_MAX instead of GEOMETRY, 16 MiB discard and write-zeroes limits,
+    // opt_io_size 1, seg_max 126), vhost-user-blk-pci's 128-entry rings instead of 256, and
+    // RING_RESET, which QEMU's virtio-blk offers and vhost-user-blk does not. Any other
+    // difference, or one of these gone, fails here: the list stays true.
+    const KNOWN: [&str; 7] = [
+        "features",
+        "optimal_io_size",
+        "discard_max_hw_bytes",
+        "write_zeroes_max_bytes",
+        "max_segments",
+        "max_segment_size",
+        "nr_requests",
+    ];
+    for l in &differ {
+        println!("differs (plain | converted): {l}");
+    }
+    assert_eq!(
+        keys, KNOWN,
+        "the differences the guest sees changed (plain | converted): {differ:#?}"
+    );
+    assert_eq!(
+        plain.1, conv.1,
+        "libvirt's taint flags differ (plain, converted)"
+    );
     Ok(())
 }
