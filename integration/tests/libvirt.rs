@@ -187,17 +187,24 @@ fn qemu_uid(dom: &str) -> Result<u32> {
         .ok_or_else(|| anyhow!("no effective Uid in /proc/{}/status", pid.trim()))
 }
 
-fn domain_xml(
-    dir: &Path,
-    img: &Path,
-    kernel: &Path,
-    initrd: &Path,
+/// The test domains' XML: a TCG guest running `script`, one raw file disk `img` (with
+/// `driver_extra` on its `<driver>`), its console on `serial`; `vcpus` vCPUs; QEMU as root
+/// through the domain's DAC label unless `user` (qemu.conf's user).
+struct DomainSpec<'a> {
+    name: &'a str,
+    uuid: String,
+    vcpus: u32,
+    script: &'a str,
+    img: &'a Path,
+    driver_extra: &'a str,
+    serial: &'a Path,
     user: Option<QemuUser>,
-) -> String {
-    let script = writer_script("/dev/vda", 16, 64);
-    let cmd = base64(script.as_bytes());
+}
+
+fn domain_xml_of(s: &DomainSpec, kernel: &Path, initrd: &Path) -> String {
+    let cmd = base64(s.script.as_bytes());
     // Root asks for itself; libvirt-qemu is qemu.conf's user (a dynamic label).
-    let seclabel = match user {
+    let seclabel = match s.user {
         Some(_) => String::new(),
         None => {
             "  <seclabel type='static' model='dac' relabel='yes'><label>+0:+0</label></seclabel>\n"
@@ -206,10 +213,10 @@ fn domain_xml(
     };
     format!(
         r#"<domain type='qemu'>
-  <name>{DOM}</name>
-  <uuid>0b6f2f9e-5a1c-4e7e-9d1e-acce1d000001</uuid>
+  <name>{}</name>
+  <uuid>{}</uuid>
   <memory unit='MiB'>256</memory>
-  <vcpu>1</vcpu>
+  <vcpu>{}</vcpu>
   <features><acpi/></features>
   <os>
     <type arch='x86_64' machine='q35'>hvm</type>
@@ -221,20 +228,48 @@ fn domain_xml(
   <devices>
     <emulator>/usr/bin/qemu-system-x86_64</emulator>
     <disk type='file' device='disk'>
-      <driver name='qemu' type='raw' cache='none' io='native'/>
+      <driver name='qemu' type='raw' cache='none' io='native'{}/>
       <source file='{}'/>
       <target dev='vda' bus='virtio'/>
     </disk>
     <controller type='usb' model='none'/>
-    <serial type='unix'><source mode='bind' path='{}/serial.sock'/><target port='0'/></serial>
+    <serial type='unix'><source mode='bind' path='{}'/><target port='0'/></serial>
     <memballoon model='none'/>
   </devices>
 {seclabel}</domain>
 "#,
+        s.name,
+        s.uuid,
+        s.vcpus,
         kernel.display(),
         initrd.display(),
-        img.display(),
-        dir.display()
+        s.driver_extra,
+        s.img.display(),
+        s.serial.display()
+    )
+}
+
+fn domain_xml(
+    dir: &Path,
+    img: &Path,
+    kernel: &Path,
+    initrd: &Path,
+    user: Option<QemuUser>,
+) -> String {
+    let script = writer_script("/dev/vda", 16, 64);
+    domain_xml_of(
+        &DomainSpec {
+            name: DOM,
+            uuid: "0b6f2f9e-5a1c-4e7e-9d1e-acce1d000001".into(),
+            vcpus: 1,
+            script: &script,
+            img,
+            driver_extra: "",
+            serial: &dir.join("serial.sock"),
+            user,
+        },
+        kernel,
+        initrd,
     )
 }
 
@@ -278,6 +313,38 @@ impl Drop for Cleanup {
                 .status();
         }
     }
+}
+
+/// acceld on `d/run`, the wrapper and its config in `d/bin`, the hook installed in
+/// libvirt's hook directory and libvirtd restarted to see it; `doms` undefined first. The
+/// guard undefines `doms` and removes the hook.
+fn with_hook(d: &Path, doms: &'static [&'static str]) -> Result<(AcceldRun, PathBuf, Cleanup)> {
+    let acc = AcceldRun::start(&d.join("run"), CONFIG)?;
+    let bin = d.join("bin");
+    std::fs::create_dir_all(&bin)?;
+    let wrapper = bin.join("accel-qemu");
+    std::os::unix::fs::symlink(acceld_bin()?.with_file_name("accel-qemu"), &wrapper)?;
+    let conf = bin.join("accel-qemu.conf");
+    let hooks = PathBuf::from("/etc/libvirt/hooks");
+    let cleanup = Cleanup {
+        hooks: hooks.clone(),
+        conf: conf.clone(),
+        doms,
+    };
+    for dom in doms {
+        let _ = virsh(&["destroy", dom]);
+        let _ = virsh(&["undefine", dom]);
+    }
+    acc.ctl_ok(&[
+        "libvirt",
+        "install",
+        "--hooks-dir",
+        hooks.to_str().unwrap(),
+        "--conf",
+        conf.to_str().unwrap(),
+    ])?;
+    restart_libvirtd()?;
+    Ok((acc, wrapper, cleanup))
 }
 
 fn state(dom: &str) -> String {
@@ -349,30 +416,7 @@ fn scenario(user: Option<QemuUser>) -> Result<()> {
     let img = d.join("disk.raw");
     std::fs::File::create(&img)?.set_len(64 << 20)?;
     let run = d.join("run");
-    let mut acc = AcceldRun::start(&run, CONFIG)?;
-    // The wrapper and its config beside it, the hook in libvirt's hook directory.
-    let bin = d.join("bin");
-    std::fs::create_dir_all(&bin)?;
-    let wrapper = bin.join("accel-qemu");
-    std::os::unix::fs::symlink(acceld_bin()?.with_file_name("accel-qemu"), &wrapper)?;
-    let conf = bin.join("accel-qemu.conf");
-    let hooks = PathBuf::from("/etc/libvirt/hooks");
-    let _cleanup = Cleanup {
-        hooks: hooks.clone(),
-        conf: conf.clone(),
-        doms: &[DOM],
-    };
-    let _ = virsh(&["destroy", DOM]);
-    let _ = virsh(&["undefine", DOM]);
-    acc.ctl_ok(&[
-        "libvirt",
-        "install",
-        "--hooks-dir",
-        hooks.to_str().unwrap(),
-        "--conf",
-        conf.to_str().unwrap(),
-    ])?;
-    restart_libvirtd()?;
+    let (mut acc, wrapper, _cleanup) = with_hook(d, &[DOM])?;
 
     // Convert: the emulator and shared memfd memory, nothing else.
     let plain = d.join("plain.xml");
@@ -587,39 +631,19 @@ echo VIEW-END
 "#;
 
 fn twin_xml(name: &str, uuid_tail: u32, dir: &Path, kernel: &Path, initrd: &Path) -> String {
-    let cmd = base64(VIEW_SCRIPT.as_bytes());
-    format!(
-        r#"<domain type='qemu'>
-  <name>{name}</name>
-  <uuid>0b6f2f9e-5a1c-4e7e-9d1e-acce1d0001{uuid_tail:02}</uuid>
-  <memory unit='MiB'>256</memory>
-  <vcpu>2</vcpu>
-  <features><acpi/></features>
-  <os>
-    <type arch='x86_64' machine='q35'>hvm</type>
-    <kernel>{}</kernel>
-    <initrd>{}</initrd>
-    <cmdline>console=ttyS0 panic=-1 testcmd={cmd}</cmdline>
-  </os>
-  <on_poweroff>destroy</on_poweroff><on_reboot>destroy</on_reboot><on_crash>destroy</on_crash>
-  <devices>
-    <emulator>/usr/bin/qemu-system-x86_64</emulator>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='raw' cache='none' io='native' discard='unmap'/>
-      <source file='{}/{name}.raw'/>
-      <target dev='vda' bus='virtio'/>
-    </disk>
-    <controller type='usb' model='none'/>
-    <serial type='unix'><source mode='bind' path='{}/{name}.serial'/><target port='0'/></serial>
-    <memballoon model='none'/>
-  </devices>
-  <seclabel type='static' model='dac' relabel='yes'><label>+0:+0</label></seclabel>
-</domain>
-"#,
-        kernel.display(),
-        initrd.display(),
-        dir.display(),
-        dir.display()
+    domain_xml_of(
+        &DomainSpec {
+            name,
+            uuid: format!("0b6f2f9e-5a1c-4e7e-9d1e-acce1d0001{uuid_tail:02}"),
+            vcpus: 2,
+            script: VIEW_SCRIPT,
+            img: &dir.join(format!("{name}.raw")),
+            driver_extra: " discard='unmap'",
+            serial: &dir.join(format!("{name}.serial")),
+            user: None,
+        },
+        kernel,
+        initrd,
     )
 }
 
@@ -660,32 +684,7 @@ fn a_converted_domain_looks_like_its_plain_twin() -> Result<()> {
         .prefix("accel-twins")
         .tempdir_in("/var/tmp")?;
     let d = dir.path();
-    let run = d.join("run");
-    let acc = AcceldRun::start(&run, CONFIG)?;
-    let bin = d.join("bin");
-    std::fs::create_dir_all(&bin)?;
-    let wrapper = bin.join("accel-qemu");
-    std::os::unix::fs::symlink(acceld_bin()?.with_file_name("accel-qemu"), &wrapper)?;
-    let conf = bin.join("accel-qemu.conf");
-    let hooks = PathBuf::from("/etc/libvirt/hooks");
-    let _cleanup = Cleanup {
-        hooks: hooks.clone(),
-        conf: conf.clone(),
-        doms: &TWINS,
-    };
-    for t in TWINS {
-        let _ = virsh(&["destroy", t]);
-        let _ = virsh(&["undefine", t]);
-    }
-    acc.ctl_ok(&[
-        "libvirt",
-        "install",
-        "--hooks-dir",
-        hooks.to_str().unwrap(),
-        "--conf",
-        conf.to_str().unwrap(),
-    ])?;
-    restart_libvirtd()?;
+    let (_acc, wrapper, _cleanup) = with_hook(d, &TWINS)?;
     let mut seen = Vec::new();
     for (i, name) in TWINS.into_iter().enumerate() {
         std::fs::File::create(d.join(format!("{name}.raw")))?.set_len(64 << 20)?;

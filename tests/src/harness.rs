@@ -86,6 +86,25 @@ impl Default for ServerOptions {
     }
 }
 
+impl ServerOptions {
+    /// The drive config these options describe, for a disk of `capacity` bytes.
+    pub fn drive_config(&self, capacity: u64) -> DriveConfig {
+        DriveConfig {
+            name: self.name.clone(),
+            serial: self.serial.clone(),
+            capacity_bytes: capacity,
+            logical_block_size: self.logical_block_size,
+            read_only: self.read_only,
+            num_queues: self.queues,
+            queue_size: 1024,
+            discard: self.discard,
+            poll_us: self.poll_us,
+            werror: self.werror,
+            rerror: self.rerror,
+        }
+    }
+}
+
 pub struct TestServer {
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
@@ -142,20 +161,7 @@ impl TestServer {
     ) -> Self {
         init_logs();
         let socket = dir.path().join("vhost.sock");
-        let cfg = DriveConfig {
-            name: o.name.clone(),
-            serial: o.serial.clone(),
-            capacity_bytes: capacity,
-            logical_block_size: o.logical_block_size,
-            read_only: o.read_only,
-            num_queues: o.queues,
-            queue_size: 1024,
-            discard: o.discard,
-            poll_us: o.poll_us,
-            werror: o.werror,
-            rerror: o.rerror,
-        };
-        let drive = Drive::new(cfg, engine);
+        let drive = Drive::new(o.drive_config(capacity), engine);
         let mut server = Server::bind(&socket, drive.clone()).expect("bind");
         let stop = server.shutdown_handle();
         let thread = std::thread::spawn(move || server.run().expect("server run"));
@@ -414,4 +420,33 @@ impl Drop for QsdNbd {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The uid and gid of `nobody` (Debian's), the stand-in for QEMU's unprivileged user.
+pub const NOBODY: u32 = 65534;
+
+/// Runs the calling test binary's ignored test `child` again as `nobody`, from a copy in
+/// `dir` (the checkout may sit where only root can enter), with `env`; returns whether it
+/// passed and its stdout and stderr together.
+pub fn run_child_test_as_nobody(dir: &Path, child: &str, env: &[(&str, &str)]) -> (bool, String) {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let exe = dir.join(format!("{child}-bin"));
+    std::fs::copy(std::env::current_exe().expect("test binary"), &exe)
+        .expect("copy the test binary");
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let out = std::process::Command::new(&exe)
+        .args(["--exact", child, "--ignored", "--nocapture"])
+        .envs(env.iter().copied())
+        .current_dir("/")
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .output()
+        .expect("run the test binary as nobody");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
 }

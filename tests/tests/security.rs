@@ -168,22 +168,7 @@ fn a_planted_socket_that_never_accepts_does_not_hold_bind() {
         .unwrap();
     let o = ServerOptions::default();
     let engine = accel_tests::harness::file_engine(&image, &o);
-    let drive = acceld::drive::Drive::new(
-        acceld::drive::DriveConfig {
-            name: "planted".into(),
-            serial: String::new(),
-            capacity_bytes: 1 << 20,
-            logical_block_size: 512,
-            read_only: false,
-            num_queues: 1,
-            queue_size: 256,
-            discard: acceld::drive::DiscardMode::Unmap,
-            poll_us: 0,
-            werror: o.werror,
-            rerror: o.rerror,
-        },
-        engine,
-    );
+    let drive = acceld::drive::Drive::new(o.drive_config(1 << 20), engine);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let r = acceld::vhost::Server::bind(&sock, drive).map(|_| ());
@@ -311,7 +296,7 @@ fn a_call_descriptor_that_is_not_an_eventfd_is_refused() {
     assert_eq!(fe.request(0, T_OUT, 0, &[3u8; 512], 0).unwrap().0, S_OK);
 }
 
-const NOBODY: u32 = 65534;
+use accel_tests::harness::NOBODY;
 
 /// The front-end of [`unsealed_memory_from_a_user_front_end_is_refused`], run as `nobody` in
 /// a child process: a memory table of an unsealed memfd must be refused (its owner could
@@ -352,34 +337,16 @@ fn child_front_end_as_nobody() {
 #[test]
 fn unsealed_memory_from_a_user_front_end_is_refused() {
     use std::os::unix::fs::PermissionsExt;
-    use std::os::unix::process::CommandExt;
     let s = TestServer::start(&ServerOptions::default());
     std::fs::set_permissions(s.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(&s.socket, std::fs::Permissions::from_mode(0o777)).unwrap();
-    // A copy of this test binary that nobody can run wherever the checkout is (CI's may sit
-    // in a directory only root can enter).
-    let exe = s.dir.path().join("security-test");
-    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
-    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = std::process::Command::new(&exe)
-        .args([
-            "--exact",
-            "child_front_end_as_nobody",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env("ACCEL_SECURITY_SOCKET", &s.socket)
-        .current_dir("/")
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let sock = s.socket.to_string_lossy().into_owned();
+    let (ok, text) = accel_tests::harness::run_child_test_as_nobody(
+        s.dir.path(),
+        "child_front_end_as_nobody",
+        &[("ACCEL_SECURITY_SOCKET", &sock)],
     );
-    assert!(out.status.success() && text.contains("CHILD-OK"), "{text}");
+    assert!(ok && text.contains("CHILD-OK"), "{text}");
     // A root front-end (QEMU as root) may still use any shared memory it maps.
     let (fe, _) = accel_tests::handshake(&s.socket, 1).unwrap();
     fe.set_hdr_flags(vhost::vhost_user::message::VhostUserHeaderFlag::NEED_REPLY);
@@ -641,19 +608,7 @@ fn half_a_header_does_not_hold_the_drives_server() {
     image.as_file().set_len(1 << 20).unwrap();
     let o = ServerOptions::default();
     let drive = acceld::drive::Drive::new(
-        acceld::drive::DriveConfig {
-            name: "half".into(),
-            serial: String::new(),
-            capacity_bytes: 1 << 20,
-            logical_block_size: 512,
-            read_only: false,
-            num_queues: 1,
-            queue_size: 256,
-            discard: acceld::drive::DiscardMode::Unmap,
-            poll_us: 0,
-            werror: o.werror,
-            rerror: o.rerror,
-        },
+        o.drive_config(1 << 20),
         accel_tests::harness::file_engine(image.path(), &o),
     );
     let mut session = acceld::vhost::Session::from_stream(be, drive, Duration::from_millis(300));

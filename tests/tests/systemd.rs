@@ -33,7 +33,7 @@ fn child() {
     accel_tests::acceld_run::child_main();
 }
 
-const NOBODY: u32 = 65534;
+use accel_tests::harness::NOBODY;
 
 /// The unit's `CapabilityBoundingSet=` as setpriv's `--bounding-set` argument.
 fn units_bounding_set() -> String {
@@ -65,7 +65,6 @@ fn units_bounding_set() -> String {
 #[test]
 fn the_units_capabilities_are_enough_for_a_permit_and_a_registration() {
     use std::os::unix::fs::PermissionsExt;
-    use std::os::unix::process::CommandExt;
     let wrapper: Vec<String> = [
         "setpriv",
         "--no-new-privs",
@@ -125,28 +124,15 @@ fn the_units_capabilities_are_enough_for_a_permit_and_a_registration() {
         incoming: false,
     };
     // The registration comes from QEMU's user: this test binary again, as nobody.
-    let exe = top.join("systemd-test");
-    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
-    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = std::process::Command::new(&exe)
-        .args(["--exact", "register_as_nobody", "--ignored", "--nocapture"])
-        .env("ACCEL_TEST_SOCKET", vm_dir.join("control.sock"))
-        .env(
-            "ACCEL_TEST_REQUEST",
-            serde_json::to_string(&register).unwrap(),
-        )
-        .current_dir("/")
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let sock = vm_dir.join("control.sock").to_string_lossy().into_owned();
+    let req = serde_json::to_string(&register).unwrap();
+    let (ok, text) = accel_tests::harness::run_child_test_as_nobody(
+        top,
+        "register_as_nobody",
+        &[("ACCEL_TEST_SOCKET", &sock), ("ACCEL_TEST_REQUEST", &req)],
     );
     assert!(
-        out.status.success() && text.contains("CHILD-OK"),
+        ok && text.contains("CHILD-OK"),
         "{text}\nacceld's log:\n{}",
         a.log()
     );

@@ -22,6 +22,20 @@ const CONFIG_CHANGE_MSG: u32 = 2;
 const VERSION_1: u32 = 0x1;
 /// Most descriptors one message carries (the spec's limit).
 const MAX_FDS: usize = 8;
+/// Copies what is queued on `fd` into `buf` without consuming it and without waiting: the
+/// byte count, or -1 with errno set (`EAGAIN` when nothing is queued).
+pub(super) fn peek_bytes(fd: RawFd, buf: &mut [u8]) -> isize {
+    // SAFETY: buf is a writable buffer of the length passed; MSG_PEEK leaves the data queued.
+    unsafe {
+        libc::recv(
+            fd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    }
+}
+
 /// The peek's control buffer in u64 words: a cmsghdr (16 bytes) and MAX_FDS descriptors.
 const CBUF_WORDS: usize = (16 + MAX_FDS * 4).div_ceil(8);
 
@@ -29,15 +43,7 @@ const CBUF_WORDS: usize = (16 + MAX_FDS * 4).div_ceil(8);
 /// carries. Never blocks and never consumes a byte.
 pub(super) fn peek(fd: RawFd) -> Option<UnixStream> {
     let mut hdr = [0u8; 12];
-    // SAFETY: hdr is a writable buffer of the length passed; MSG_PEEK leaves the data queued.
-    let n = unsafe {
-        libc::recv(
-            fd,
-            hdr.as_mut_ptr().cast(),
-            hdr.len(),
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
+    let n = peek_bytes(fd, &mut hdr);
     if n != 12 || u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]) != SET_BACKEND_REQ_FD {
         return None;
     }

@@ -1116,16 +1116,7 @@ fn wait_header(fd: RawFd, shutdown: RawFd, timeout: std::time::Duration) -> io::
     let deadline = std::time::Instant::now() + timeout;
     let mut hdr = [0u8; HEADER_LEN];
     loop {
-        // SAFETY: hdr is a writable buffer of the length passed; MSG_PEEK leaves the data
-        // queued.
-        let n = unsafe {
-            libc::recv(
-                fd,
-                hdr.as_mut_ptr().cast(),
-                hdr.len(),
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
+        let n = backend_channel::peek_bytes(fd, &mut hdr);
         if n < 0 {
             let e = io::Error::last_os_error();
             match e.kind() {
