@@ -206,6 +206,8 @@ impl ServeArgs {
             poll_us: self.poll_us,
             werror: self.werror,
             rerror: self.rerror,
+            // A standalone server: QEMU's vhost-user-blk export's device, as before.
+            model: crate::drive::DeviceModel::Export,
         }
         .checked()
         .map_err(|e| match e {

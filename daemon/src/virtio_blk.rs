@@ -56,6 +56,43 @@ pub const MAX_DISCARD_SECTORS: u32 = 32768;
 pub const MAX_WRITE_ZEROES_SECTORS: u32 = 32768;
 /// `seg_max` QEMU's export advertises: 128 - 2 (header and status).
 pub const SEG_MAX: u32 = 126;
+/// `seg_max` of QEMU's virtio-blk device with its default 256-entry rings (`seg-max-adjust`:
+/// the ring size - 2).
+pub const VIRTIO_BLK_SEG_MAX: u32 = 256 - 2;
+/// QEMU's virtio-blk device's `max-discard-sectors` and `max-write-zeroes-sectors` defaults:
+/// `BDRV_REQUEST_MAX_SECTORS`.
+pub const VIRTIO_BLK_MAX_DWZ_SECTORS: u32 = (i32::MAX as u32) >> SECTOR_SHIFT;
+/// VIRTIO_BLK_F_GEOMETRY (legacy CHS geometry in the config space).
+pub const F_GEOMETRY: u32 = 4;
+
+/// Which of QEMU's two virtio-blk implementations the device looks like to the guest: its
+/// feature bits, config space and discard limits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceModel {
+    /// QEMU's vhost-user-blk export (qemu-storage-daemon's `--export type=vhost-user-blk`):
+    /// for a drive whose rings may be lent to that export, which enforces its own limits.
+    #[default]
+    Export,
+    /// QEMU's virtio-blk device (`virtio-blk-pci`): what the guest of a converted domain had
+    /// before, so it sees no difference.
+    VirtioBlk,
+}
+
+impl DeviceModel {
+    pub fn max_discard_sectors(self) -> u32 {
+        match self {
+            DeviceModel::Export => MAX_DISCARD_SECTORS,
+            DeviceModel::VirtioBlk => VIRTIO_BLK_MAX_DWZ_SECTORS,
+        }
+    }
+
+    pub fn max_write_zeroes_sectors(self) -> u32 {
+        match self {
+            DeviceModel::Export => MAX_WRITE_ZEROES_SECTORS,
+            DeviceModel::VirtioBlk => VIRTIO_BLK_MAX_DWZ_SECTORS,
+        }
+    }
+}
 /// QEMU's `BDRV_REQUEST_MAX_SECTORS`: the largest single request its block layer takes.
 pub const MAX_REQUEST_SECTORS: u64 = (i32::MAX as u64 & !0x1ff) >> SECTOR_SHIFT;
 
@@ -287,6 +324,8 @@ pub struct DiskGeometry {
     /// Logical block size in bytes (512 or 4096).
     pub block_size: u32,
     pub read_only: bool,
+    /// Whose discard and write-zeroes limits apply.
+    pub model: DeviceModel,
 }
 
 /// What a valid request asks the engine to do. Offsets and lengths are in bytes and inside
@@ -369,9 +408,9 @@ pub fn validate(
                 return Err(S_IOERR);
             };
             let max = if h.req_type == T_DISCARD {
-                MAX_DISCARD_SECTORS
+                g.model.max_discard_sectors()
             } else {
-                MAX_WRITE_ZEROES_SECTORS
+                g.model.max_write_zeroes_sectors()
             };
             if seg.num_sectors > max {
                 return Err(S_IOERR);
@@ -411,8 +450,30 @@ pub fn id_bytes(serial: &str) -> [u8; ID_BYTES] {
     id
 }
 
-/// Device feature bits for a disk, the set QEMU 10's vhost-user-blk export offers.
-pub fn device_features(read_only: bool) -> u64 {
+/// Device feature bits for a disk: the set QEMU 10's vhost-user-blk export offers, or its
+/// virtio-blk device's (GEOMETRY for SIZE_MAX; MQ only with more than one queue).
+pub fn device_features(read_only: bool, model: DeviceModel, num_queues: u16) -> u64 {
+    if model == DeviceModel::VirtioBlk {
+        let mut f = [
+            F_SEG_MAX,
+            F_GEOMETRY,
+            F_TOPOLOGY,
+            F_BLK_SIZE,
+            F_FLUSH,
+            F_DISCARD,
+            F_WRITE_ZEROES,
+            F_CONFIG_WCE,
+        ]
+        .iter()
+        .fold(0u64, |acc, b| acc | (1u64 << b));
+        if num_queues > 1 {
+            f |= 1 << F_MQ;
+        }
+        if read_only {
+            f |= 1 << F_RO;
+        }
+        return f;
+    }
     let mut f = [
         F_SIZE_MAX,
         F_SEG_MAX,
@@ -444,6 +505,10 @@ pub struct BlkConfig {
     pub capacity: u64,
     pub size_max: u32,
     pub seg_max: u32,
+    /// Legacy CHS geometry (GEOMETRY): cylinders, heads, sectors per track.
+    pub cylinders: u16,
+    pub heads: u8,
+    pub sectors: u8,
     pub blk_size: u32,
     pub physical_block_exp: u8,
     pub min_io_size: u16,
@@ -465,6 +530,9 @@ impl BlkConfig {
             capacity: capacity_sectors,
             size_max: 0,
             seg_max: SEG_MAX,
+            cylinders: 0,
+            heads: 0,
+            sectors: 0,
             blk_size,
             physical_block_exp: 0,
             min_io_size: 1,
@@ -480,12 +548,41 @@ impl BlkConfig {
         }
     }
 
+    /// The values QEMU 10's virtio-blk device reports for a disk of `capacity_sectors` with
+    /// its defaults (`virtio_blk_update_config`): 256-entry rings, no I/O size hints,
+    /// `BDRV_REQUEST_MAX_SECTORS` discards and write-zeroes, and the CHS geometry QEMU guesses
+    /// for a disk without a partition table (16 heads, 63 sectors, 2 to 16,383 cylinders).
+    pub fn virtio_blk_like(capacity_sectors: u64, blk_size: u32, num_queues: u16) -> Self {
+        BlkConfig {
+            capacity: capacity_sectors,
+            size_max: 0,
+            seg_max: VIRTIO_BLK_SEG_MAX,
+            cylinders: (capacity_sectors / (16 * 63)).clamp(2, 16383) as u16,
+            heads: 16,
+            sectors: 63,
+            blk_size,
+            physical_block_exp: 0,
+            min_io_size: 0,
+            opt_io_size: 0,
+            writeback: 0,
+            num_queues,
+            max_discard_sectors: VIRTIO_BLK_MAX_DWZ_SECTORS,
+            max_discard_seg: 1,
+            discard_sector_alignment: blk_size >> SECTOR_SHIFT,
+            max_write_zeroes_sectors: VIRTIO_BLK_MAX_DWZ_SECTORS,
+            max_write_zeroes_seg: 1,
+            write_zeroes_may_unmap: 1,
+        }
+    }
+
     pub fn to_bytes(&self) -> [u8; CONFIG_LEN] {
         let mut b = [0u8; CONFIG_LEN];
         b[0..8].copy_from_slice(&self.capacity.to_le_bytes());
         b[8..12].copy_from_slice(&self.size_max.to_le_bytes());
         b[12..16].copy_from_slice(&self.seg_max.to_le_bytes());
-        // 16..20: geometry, not offered.
+        b[16..18].copy_from_slice(&self.cylinders.to_le_bytes());
+        b[18] = self.heads;
+        b[19] = self.sectors;
         b[20..24].copy_from_slice(&self.blk_size.to_le_bytes());
         b[24] = self.physical_block_exp;
         // 25: alignment_offset = 0.
@@ -525,6 +622,7 @@ mod tests {
         sectors: 2048,
         block_size: 512,
         read_only: false,
+        model: DeviceModel::Export,
     };
 
     fn layout(descs: &[Desc]) -> Result<Layout, LayoutError> {
@@ -786,6 +884,14 @@ mod tests {
                 flags,
             })
         };
+        let big_export = DiskGeometry {
+            sectors: 1 << 24,
+            ..G
+        };
+        let big_vblk = DiskGeometry {
+            model: DeviceModel::VirtioBlk,
+            ..big_export
+        };
         let ro = DiskGeometry {
             read_only: true,
             ..G
@@ -906,6 +1012,74 @@ mod tests {
                 seg(u64::MAX, 8, 0),
                 Err(S_IOERR),
             ),
+            // The limits are the device model's: QEMU's export refuses more than 32,768
+            // sectors, its virtio-blk device takes up to BDRV_REQUEST_MAX_SECTORS.
+            (
+                "discard over the export's limit (export)",
+                big_export,
+                T_DISCARD,
+                one(),
+                seg(0, MAX_DISCARD_SECTORS + 1, 0),
+                Err(S_IOERR),
+            ),
+            (
+                "discard over the export's limit (virtio-blk)",
+                big_vblk,
+                T_DISCARD,
+                one(),
+                seg(0, MAX_DISCARD_SECTORS + 1, 0),
+                Ok(Op::Discard {
+                    offset: 0,
+                    len: u64::from(MAX_DISCARD_SECTORS + 1) << SECTOR_SHIFT,
+                }),
+            ),
+            (
+                "discard at virtio-blk's limit",
+                big_vblk,
+                T_DISCARD,
+                one(),
+                seg(0, VIRTIO_BLK_MAX_DWZ_SECTORS, 0),
+                Ok(Op::Discard {
+                    offset: 0,
+                    len: u64::from(VIRTIO_BLK_MAX_DWZ_SECTORS) << SECTOR_SHIFT,
+                }),
+            ),
+            (
+                "discard over virtio-blk's limit",
+                big_vblk,
+                T_DISCARD,
+                one(),
+                seg(0, VIRTIO_BLK_MAX_DWZ_SECTORS + 1, 0),
+                Err(S_IOERR),
+            ),
+            (
+                "write zeroes over the export's limit (export)",
+                big_export,
+                T_WRITE_ZEROES,
+                one(),
+                seg(0, MAX_WRITE_ZEROES_SECTORS + 1, 0),
+                Err(S_IOERR),
+            ),
+            (
+                "write zeroes over the export's limit (virtio-blk)",
+                big_vblk,
+                T_WRITE_ZEROES,
+                one(),
+                seg(0, MAX_WRITE_ZEROES_SECTORS + 1, 0),
+                Ok(Op::WriteZeroes {
+                    offset: 0,
+                    len: u64::from(MAX_WRITE_ZEROES_SECTORS + 1) << SECTOR_SHIFT,
+                    unmap: false,
+                }),
+            ),
+            (
+                "write zeroes over virtio-blk's limit",
+                big_vblk,
+                T_WRITE_ZEROES,
+                one(),
+                seg(0, VIRTIO_BLK_MAX_DWZ_SECTORS + 1, 0),
+                Err(S_IOERR),
+            ),
         ];
         for (name, g, t, l, s, want) in cases {
             assert_eq!(validate(&g, hdr(t, 0), &l, s), want, "{name}");
@@ -955,5 +1129,78 @@ mod tests {
         assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 4096);
         assert_eq!(u16::from_le_bytes(c[34..36].try_into().unwrap()), 2);
         assert_eq!(u32::from_le_bytes(c[44..48].try_into().unwrap()), 8);
+    }
+
+    /// QEMU 10's virtio-blk device for a 64 MiB disk with two queues, as a Linux guest saw
+    /// it next to the converted twin (integration/tests/libvirt.rs): features, then the
+    /// config space.
+    #[test]
+    fn the_virtio_blk_model_is_qemus_virtio_blk() {
+        let f = device_features(false, DeviceModel::VirtioBlk, 2);
+        for (bit, on) in [
+            (F_SIZE_MAX, false),
+            (F_SEG_MAX, true),
+            (F_GEOMETRY, true),
+            (F_RO, false),
+            (F_BLK_SIZE, true),
+            (F_FLUSH, true),
+            (F_TOPOLOGY, true),
+            (F_CONFIG_WCE, true),
+            (F_MQ, true),
+            (F_DISCARD, true),
+            (F_WRITE_ZEROES, true),
+        ] {
+            assert_eq!(f & (1 << bit) != 0, on, "feature bit {bit}");
+        }
+        // One queue: QEMU's virtio-blk offers no MQ.
+        assert_eq!(
+            device_features(false, DeviceModel::VirtioBlk, 1) & (1 << F_MQ),
+            0
+        );
+        assert_ne!(
+            device_features(true, DeviceModel::VirtioBlk, 1) & (1 << F_RO),
+            0
+        );
+        // The export keeps its own set.
+        let e = device_features(false, DeviceModel::Export, 1);
+        assert_ne!(e & (1 << F_SIZE_MAX), 0);
+        assert_eq!(e & (1 << F_GEOMETRY), 0);
+
+        let c = BlkConfig::virtio_blk_like(131_072, 512, 2);
+        let b = c.to_bytes();
+        assert_eq!(u64::from_le_bytes(b[0..8].try_into().unwrap()), 131_072);
+        assert_eq!(
+            u32::from_le_bytes(b[8..12].try_into().unwrap()),
+            0,
+            "size_max"
+        );
+        assert_eq!(
+            u32::from_le_bytes(b[12..16].try_into().unwrap()),
+            254,
+            "seg_max"
+        );
+        // 131,072 / (16 * 63) = 130 cylinders of 16 heads and 63 sectors.
+        assert_eq!(u16::from_le_bytes(b[16..18].try_into().unwrap()), 130);
+        assert_eq!((b[18], b[19]), (16, 63));
+        assert_eq!(u32::from_le_bytes(b[20..24].try_into().unwrap()), 512);
+        assert_eq!(&b[24..32], &[0u8; 8], "no topology hints");
+        assert_eq!(u16::from_le_bytes(b[34..36].try_into().unwrap()), 2);
+        for (at, want, what) in [
+            (36, 4_194_303u32, "max_discard_sectors"),
+            (40, 1, "max_discard_seg"),
+            (44, 1, "discard_sector_alignment"),
+            (48, 4_194_303, "max_write_zeroes_sectors"),
+            (52, 1, "max_write_zeroes_seg"),
+        ] {
+            assert_eq!(
+                u32::from_le_bytes(b[at..at + 4].try_into().unwrap()),
+                want,
+                "{what}"
+            );
+        }
+        assert_eq!(b[56], 1, "write_zeroes_may_unmap");
+        // The cylinder count stays within CHS's range.
+        assert_eq!(BlkConfig::virtio_blk_like(100, 512, 1).cylinders, 2);
+        assert_eq!(BlkConfig::virtio_blk_like(1 << 40, 512, 1).cylinders, 16383);
     }
 }

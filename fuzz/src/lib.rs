@@ -75,6 +75,11 @@ pub fn virtio_blk(data: &[u8]) {
         sectors: i.u64() >> (i.u8() % 64),
         block_size: if i.u8() & 1 == 0 { 512 } else { 4096 },
         read_only: i.u8() & 1 == 1,
+        model: if i.u8() & 1 == 0 {
+            acceld::virtio_blk::DeviceModel::Export
+        } else {
+            acceld::virtio_blk::DeviceModel::VirtioBlk
+        },
     };
     let mut hb = [0u8; 16];
     hb.copy_from_slice(&{
@@ -556,6 +561,7 @@ pub fn vhost_user(data: &[u8]) {
             poll_us: 0,
             werror: acceld::drive::ErrorPolicy::Enospc,
             rerror: acceld::drive::ErrorPolicy::Report,
+            model: acceld::drive::DeviceModel::Export,
         };
         let drive = acceld::drive::Drive::new(cfg, w.engine.clone());
         let mut i = Input { b: data };
@@ -579,7 +585,7 @@ pub fn vhost_user(data: &[u8]) {
             // SAFETY: into_raw_fd gives up ownership, which the OwnedFd takes once.
             unsafe { OwnedFd::from_raw_fd(e.into_raw_fd()) }
         };
-        let features = acceld::vhost::virtio_features(false);
+        let features = acceld::vhost::virtio_features(drive.config());
         let (mut steps, mut connections) = (0, 1);
         // Whether every message so far was sent whole and as framed (a raw message may leave
         // bytes that the next read takes as a header).

@@ -26,6 +26,8 @@ pub struct ServerOptions {
     pub name: String,
     pub werror: ErrorPolicy,
     pub rerror: ErrorPolicy,
+    /// Whose device the guest sees (the protocol and parity tests: QEMU's export's).
+    pub model: acceld::drive::DeviceModel,
 }
 
 impl ServerOptions {
@@ -82,6 +84,7 @@ impl Default for ServerOptions {
             name: "test".into(),
             werror: ErrorPolicy::Enospc,
             rerror: ErrorPolicy::Report,
+            model: acceld::drive::DeviceModel::Export,
         }
     }
 }
@@ -101,6 +104,7 @@ impl ServerOptions {
             poll_us: self.poll_us,
             werror: self.werror,
             rerror: self.rerror,
+            model: self.model,
         }
     }
 }

@@ -76,6 +76,9 @@ const WITH_VALUE: &[&str] = &[
     "-netdev",
 ];
 
+/// virtio-blk-pci's default `queue-size` (QEMU 10).
+pub const VIRTIO_BLK_QUEUE_SIZE: u16 = 256;
+
 /// `-device` properties of virtio-blk-pci that vhost-user-blk-pci has too, kept as they are.
 const KEPT: &[&str] = &[
     "bus",
@@ -391,6 +394,11 @@ fn convert_device(
         }
     }
     out.insert("num-queues".into(), json!(queues));
+    // virtio-blk-pci's rings have 256 entries unless libvirt says otherwise;
+    // vhost-user-blk-pci's default is 128. The guest keeps its queue depth.
+    if !out.contains_key("queue-size") {
+        out.insert("queue-size".into(), json!(VIRTIO_BLK_QUEUE_SIZE));
+    }
     Ok((spec, out))
 }
 

@@ -16,6 +16,7 @@ use tracing::{info, warn};
 use crate::engine::held::NullIo;
 use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig, HeldEngine, QueueIo};
 use crate::util::lock;
+pub use crate::virtio_blk::DeviceModel;
 use crate::virtio_blk::{BlkConfig, DiskGeometry, SECTOR_SHIFT};
 
 pub mod lend;
@@ -56,6 +57,9 @@ pub struct DriveConfig {
     pub werror: ErrorPolicy,
     /// What a failed read does (QEMU's `rerror`).
     pub rerror: ErrorPolicy,
+    /// Whose device the guest sees: QEMU's virtio-blk's, or (a drive that may lend its
+    /// rings) QEMU's vhost-user-blk export's.
+    pub model: DeviceModel,
 }
 
 // The control API checks serials against the same bound the device answers with.
@@ -94,6 +98,7 @@ impl DriveConfig {
             sectors: self.capacity_bytes >> SECTOR_SHIFT,
             block_size: self.logical_block_size,
             read_only: self.read_only,
+            model: self.model,
         }
     }
 }
@@ -210,13 +215,24 @@ impl Drive {
         }
     }
 
-    /// The config space as QEMU 10's export would show it now.
+    /// The config space as the device the drive looks like (its `model`) would show it now.
     pub fn blk_config(&self) -> BlkConfig {
-        let mut c = BlkConfig::qemu_like(
+        let (sectors, bs, q) = (
             self.capacity() >> SECTOR_SHIFT,
             self.cfg.logical_block_size,
             self.cfg.num_queues,
         );
+        let mut c = match self.cfg.model {
+            DeviceModel::Export => BlkConfig::qemu_like(sectors, bs, q),
+            DeviceModel::VirtioBlk => {
+                let mut c = BlkConfig::virtio_blk_like(sectors, bs, q);
+                // QEMU guesses the geometry once, at the device's start: a resize keeps it.
+                let at_start =
+                    BlkConfig::virtio_blk_like(self.cfg.capacity_bytes >> SECTOR_SHIFT, bs, q);
+                c.cylinders = at_start.cylinders;
+                c
+            }
+        };
         c.writeback = u8::from(self.writeback());
         c
     }

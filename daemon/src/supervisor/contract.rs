@@ -55,7 +55,9 @@ impl Supervisor {
             ));
             a.push("-device".into());
             a.push(format!(
-                "vhost-user-blk-pci,id={},chardev={}-sock,num-queues={}",
+                // virtio-blk-pci's 256-entry rings (vhost-user-blk-pci's default is 128),
+                // which the device config's seg_max (ring - 2) assumes.
+                "vhost-user-blk-pci,id={},chardev={}-sock,num-queues={},queue-size=256",
                 s.id, s.id, s.queues
             ));
         }

@@ -15,7 +15,7 @@ use super::offload;
 use super::persist::{self, SavedDrive};
 use super::vm::Vm;
 use super::{SupError, Supervisor};
-use crate::drive::{Drive, DriveConfig, DriveConfigError};
+use crate::drive::{DeviceModel, Drive, DriveConfig, DriveConfigError};
 use crate::engine::{image_size, Engine, FileEngine, HeldEngine};
 use crate::util::lock;
 use crate::vhost::Server;
@@ -215,6 +215,14 @@ impl Supervisor {
             poll_us: self.cfg.poll_us,
             werror: spec.werror,
             rerror: spec.rerror,
+            // The guest sees QEMU's virtio-blk, as before its disk was converted; a drive
+            // whose rings may be lent to QEMU's vhost-user-blk export sees the export's
+            // device (its limits hold while lent).
+            model: if spec.lend {
+                DeviceModel::Export
+            } else {
+                DeviceModel::VirtioBlk
+            },
         }
         .checked()
         .map_err(|e| match e {

@@ -64,10 +64,11 @@ pub fn protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::INFLIGHT_SHMFD
 }
 
-/// Virtio and vhost feature bits offered to the frontend: QEMU 10's export set, with
-/// VHOST_F_LOG_ALL (dirty logging for live migration).
-pub fn virtio_features(read_only: bool) -> u64 {
-    virtio_blk::device_features(read_only)
+/// Virtio and vhost feature bits offered to the frontend for a drive: the device set of its
+/// model (QEMU's virtio-blk, or its export), with VHOST_F_LOG_ALL (dirty logging for live
+/// migration).
+pub fn virtio_features(cfg: &crate::drive::DriveConfig) -> u64 {
+    virtio_blk::device_features(cfg.read_only, cfg.model, cfg.num_queues)
         | 1 << VIRTIO_F_VERSION_1
         | 1 << VIRTIO_RING_F_INDIRECT_DESC
         | 1 << VIRTIO_RING_F_EVENT_IDX
@@ -444,11 +445,11 @@ impl VhostUserBackendReqHandlerMut for Connection {
     }
 
     fn get_features(&mut self) -> VuResult<u64> {
-        Ok(virtio_features(self.drive.config().read_only))
+        Ok(virtio_features(self.drive.config()))
     }
 
     fn set_features(&mut self, features: u64) -> VuResult<()> {
-        let offered = virtio_features(self.drive.config().read_only);
+        let offered = virtio_features(self.drive.config());
         if features & !offered != 0 {
             return Err(VuError::InvalidParam);
         }
