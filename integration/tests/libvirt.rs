@@ -365,6 +365,23 @@ fn wait_state(dom: &str, want: &str, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
+/// The VM's directory is gone (what is left in it, and acceld's log, if not).
+fn assert_gone(dir: &Path, acc: &AcceldRun) {
+    if dir.exists() {
+        let left: Vec<String> = std::fs::read_dir(dir)
+            .map(|r| {
+                r.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        panic!(
+            "the VM's directory is left, holding {left:?}\nacceld log:\n{}",
+            acc.log_text()
+        );
+    }
+}
+
 fn vm_known(acc: &AcceldRun) -> Result<bool> {
     Ok(acc.status()?["vms"]
         .as_array()
@@ -547,7 +564,7 @@ fn scenario(user: Option<QemuUser>) -> Result<()> {
     virsh(&["save", DOM, saved.to_str().unwrap()])?;
     assert_eq!(state(DOM), "shut off");
     assert!(!vm_known(&acc)?, "acceld still serves the saved VM");
-    assert!(!run.join(DOM).exists(), "the VM's sockets are left");
+    assert_gone(&run.join(DOM), &acc);
     let log_path = Path::new("/var/log/libvirt/qemu").join(format!("{DOM}.log"));
     let log_before = std::fs::metadata(&log_path).map_or(0, |m| m.len());
     virsh(&["restore", saved.to_str().unwrap()])?;
@@ -610,7 +627,7 @@ fn scenario(user: Option<QemuUser>) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(!run.join(DOM).exists(), "the VM's sockets are left");
+    assert_gone(&run.join(DOM), &acc);
     Ok(())
 }
 

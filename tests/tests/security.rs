@@ -625,3 +625,52 @@ fn half_a_header_does_not_hold_the_drives_server() {
         "closed after {took:?}"
     );
 }
+
+/// A permitted VM's QEMU keeps its QMP socket in the VM's directory. One QEMU left behind
+/// (SIGKILLed, as libvirt does to a QEMU slow to end after `virsh save`) no longer keeps the
+/// directory when the permit ends; one that still listens stays.
+#[test]
+fn a_stale_qemu_socket_does_not_keep_the_vm_directory() {
+    use acceld::control::PermitImage;
+    use acceld::supervisor::{Config, Owner, Supervisor};
+    let dir = tempfile::Builder::new()
+        .prefix("accel-stale")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let image = dir.path().join("d0.raw");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let run = dir.path().join("run");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let _g = rt.enter();
+    let sup = Supervisor::new(Config {
+        run_dir: run.clone(),
+        ..Config::default()
+    });
+    let owner = Owner {
+        uid: accel_tests::harness::NOBODY,
+        gid: accel_tests::harness::NOBODY,
+    };
+    for live in [false, true] {
+        sup.permit("vm", owner, &[PermitImage::Path(image.clone())])
+            .unwrap();
+        let qmp = run.join("vm").join("qemu-qmp.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&qmp).unwrap();
+        if !live {
+            // QEMU gone without removing its socket: the file stays, nobody listens.
+            drop(listener);
+            sup.end_permit("vm");
+            assert!(!run.join("vm").exists(), "the VM's directory is left");
+        } else {
+            sup.end_permit("vm");
+            assert!(qmp.exists(), "a live QEMU's QMP socket was removed");
+            drop(listener);
+        }
+    }
+}

@@ -246,7 +246,20 @@ impl Supervisor {
             info!(vm, "permit ended");
         }
         let _ = std::fs::remove_file(self.vm_control_socket(vm));
+        // QEMU's QMP socket of a permitted VM is in the VM's directory too. QEMU removes it
+        // when it exits cleanly; one it left (SIGKILLed by libvirt after a `virsh save`, say)
+        // would keep the directory. Nobody listening: stale, removed (unlink never follows a
+        // link the user planted there).
+        let qmp = self.qemu_qmp_socket(vm);
+        if !crate::util::socket_listening(&qmp) {
+            let _ = std::fs::remove_file(&qmp);
+        }
         let _ = std::fs::remove_dir(self.cfg.run_dir.join(vm));
+    }
+
+    /// Where a permitted VM's QEMU serves its QMP (the wrapper puts it there).
+    fn qemu_qmp_socket(&self, vm: &str) -> PathBuf {
+        self.cfg.run_dir.join(vm).join("qemu-qmp.sock")
     }
 
     /// Checks a registration that came through the VM's own control socket; answers whose
@@ -261,7 +274,7 @@ impl Supervisor {
         let p = self
             .permit_of(vm)
             .ok_or_else(|| SupError::Denied(format!("VM {vm} has no permit")))?;
-        let want = self.cfg.run_dir.join(vm).join("qemu-qmp.sock");
+        let want = self.qemu_qmp_socket(vm);
         if qmp != want {
             return Err(SupError::Denied(format!(
                 "VM {vm}: QMP socket {} is not {}",
