@@ -453,29 +453,12 @@ pub fn id_bytes(serial: &str) -> [u8; ID_BYTES] {
 /// Device feature bits for a disk: the set QEMU 10's vhost-user-blk export offers, or its
 /// virtio-blk device's (GEOMETRY for SIZE_MAX; MQ only with more than one queue).
 pub fn device_features(read_only: bool, model: DeviceModel, num_queues: u16) -> u64 {
-    if model == DeviceModel::VirtioBlk {
-        let mut f = [
-            F_SEG_MAX,
-            F_GEOMETRY,
-            F_TOPOLOGY,
-            F_BLK_SIZE,
-            F_FLUSH,
-            F_DISCARD,
-            F_WRITE_ZEROES,
-            F_CONFIG_WCE,
-        ]
-        .iter()
-        .fold(0u64, |acc, b| acc | (1u64 << b));
-        if num_queues > 1 {
-            f |= 1 << F_MQ;
-        }
-        if read_only {
-            f |= 1 << F_RO;
-        }
-        return f;
-    }
+    let (size_or_geometry, mq) = match model {
+        DeviceModel::Export => (F_SIZE_MAX, true),
+        DeviceModel::VirtioBlk => (F_GEOMETRY, num_queues > 1),
+    };
     let mut f = [
-        F_SIZE_MAX,
+        size_or_geometry,
         F_SEG_MAX,
         F_TOPOLOGY,
         F_BLK_SIZE,
@@ -483,10 +466,12 @@ pub fn device_features(read_only: bool, model: DeviceModel, num_queues: u16) -> 
         F_DISCARD,
         F_WRITE_ZEROES,
         F_CONFIG_WCE,
-        F_MQ,
     ]
     .iter()
     .fold(0u64, |acc, b| acc | (1u64 << b));
+    if mq {
+        f |= 1 << F_MQ;
+    }
     if read_only {
         f |= 1 << F_RO;
     }

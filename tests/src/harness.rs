@@ -454,3 +454,17 @@ pub fn run_child_test_as_nobody(dir: &Path, child: &str, env: &[(&str, &str)]) -
     );
     (out.status.success(), text)
 }
+
+/// A directory under /var/tmp (prefix `prefix`) holding `d0.raw`, a sparse raw image of
+/// `size` bytes.
+pub fn temp_image(prefix: &str, size: u64) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/var/tmp")
+        .expect("temporary directory");
+    let image = dir.path().join("d0.raw");
+    std::fs::File::create(&image)
+        .and_then(|f| f.set_len(size))
+        .expect("image file");
+    (dir, image)
+}

@@ -633,15 +633,7 @@ fn half_a_header_does_not_hold_the_drives_server() {
 fn a_stale_qemu_socket_does_not_keep_the_vm_directory() {
     use acceld::control::PermitImage;
     use acceld::supervisor::{Config, Owner, Supervisor};
-    let dir = tempfile::Builder::new()
-        .prefix("accel-stale")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let image = dir.path().join("d0.raw");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(1 << 20)
-        .unwrap();
+    let (dir, image) = accel_tests::harness::temp_image("accel-stale", 1 << 20);
     let run = dir.path().join("run");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

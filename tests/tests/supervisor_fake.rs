@@ -274,15 +274,7 @@ async fn no_serial_unless_configured() {
     use accel_tests::{S_OK, T_GET_ID};
     accel_tests::harness::init_logs();
     for (serial, want) in [("", &b""[..]), (",serial=SN-42", &b"SN-42"[..])] {
-        let dir = tempfile::Builder::new()
-            .prefix("accel-serial")
-            .tempdir_in("/var/tmp")
-            .unwrap();
-        let image = dir.path().join("d0.raw");
-        std::fs::File::create(&image)
-            .unwrap()
-            .set_len(1 << 20)
-            .unwrap();
+        let (dir, image) = accel_tests::harness::temp_image("accel-serial", 1 << 20);
         let run = dir.path().join("run");
         let socket = run.join("vm").join("d0.sock");
         let fake = FakeQemu::start(dir.path(), "d0", &image, &socket);
