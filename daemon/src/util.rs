@@ -216,6 +216,39 @@ pub fn set_nonblocking(fd: std::os::fd::RawFd, on: bool) -> std::io::Result<()> 
 }
 
 /// The uid of the process at the other end of a unix socket (`SO_PEERCRED`).
+/// A new memfd `name` of `len` bytes (close-on-exec). With `seals` (`F_SEAL_*` bits) it is
+/// created sealable and those seals are added once it has its size: `F_SEAL_SHRINK` makes it
+/// memory no holder can truncate under a mapping (SIGBUS); `None` leaves it unsealed.
+pub fn memfd(
+    name: &std::ffi::CStr,
+    len: u64,
+    seals: Option<libc::c_int>,
+) -> std::io::Result<std::fs::File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let flags = libc::MFD_CLOEXEC
+        | if seals.is_some() {
+            libc::MFD_ALLOW_SEALING
+        } else {
+            0
+        };
+    // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a new descriptor nothing else owns.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.set_len(len)?;
+    if let Some(seals) = seals {
+        // SAFETY: fcntl F_ADD_SEALS on our own memfd has no memory effects.
+        let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(file)
+}
+
 pub fn peer_uid(fd: std::os::fd::RawFd) -> Option<u32> {
     let mut cred = libc::ucred {
         pid: 0,

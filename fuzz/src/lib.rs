@@ -10,7 +10,6 @@
 //!   stable toolchain (SanitizerCoverage flags, no nightly needed).
 
 use std::fs::File;
-use std::os::fd::FromRawFd;
 use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -229,34 +228,8 @@ unsafe impl Send for VhostWorld {}
 /// A new memfd of `len` bytes, sealed against shrinking and growing (as QEMU's
 /// `memory-backend-memfd` is) or not.
 fn memfd(name: &std::ffi::CStr, len: u64, sealed: bool) -> Option<File> {
-    // SAFETY: memfd_create with a valid NUL-terminated name.
-    let fd = unsafe {
-        libc::memfd_create(
-            name.as_ptr(),
-            libc::MFD_CLOEXEC | if sealed { libc::MFD_ALLOW_SEALING } else { 0 },
-        )
-    };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: fd is a new descriptor that nothing else owns.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(len).ok()?;
-    if sealed {
-        use std::os::fd::AsRawFd;
-        // SAFETY: fcntl F_ADD_SEALS on our own memfd has no memory effects.
-        let r = unsafe {
-            libc::fcntl(
-                f.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
-            )
-        };
-        if r != 0 {
-            return None;
-        }
-    }
-    Some(f)
+    let seals = sealed.then_some(libc::F_SEAL_SHRINK | libc::F_SEAL_GROW);
+    acceld::util::memfd(name, len, seals).ok()
 }
 
 fn vhost_world() -> &'static VhostWorld {

@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
@@ -97,32 +97,8 @@ impl GuestMem {
     }
 
     fn make(size: usize, sealed: bool) -> io::Result<Self> {
-        // SAFETY: memfd_create with a valid NUL-terminated name; the result is checked.
-        let fd = unsafe {
-            libc::memfd_create(
-                c"accel-guest".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a fresh descriptor we own.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(size as u64)?;
-        if sealed {
-            // SAFETY: fcntl F_ADD_SEALS on our own memfd has no memory effects.
-            let r = unsafe {
-                libc::fcntl(
-                    file.as_raw_fd(),
-                    libc::F_ADD_SEALS,
-                    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
-                )
-            };
-            if r != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
+        let seals = sealed.then_some(libc::F_SEAL_SHRINK | libc::F_SEAL_GROW);
+        let file = acceld::util::memfd(c"accel-guest", size as u64, seals)?;
         // SAFETY: a new shared mapping of our memfd; the result is checked.
         let ptr = unsafe {
             libc::mmap(

@@ -222,14 +222,7 @@ mod tests {
     use super::*;
 
     fn memfd(len: u64) -> File {
-        let name = std::ffi::CString::new("log-test").expect("name");
-        // SAFETY: a valid C string; the returned fd is owned by the File below.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0);
-        // SAFETY: fd is a fresh descriptor nothing else owns.
-        let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        f.set_len(len).expect("size");
-        f
+        crate::util::memfd(c"log-test", len, None).expect("memfd")
     }
 
     #[test]

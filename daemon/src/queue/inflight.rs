@@ -13,7 +13,7 @@
 //! ```
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU16, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
@@ -64,33 +64,15 @@ impl InflightRegion {
                 size: queue_size,
             });
         }
-        // SAFETY: memfd_create with a valid NUL-terminated name.
-        let fd = unsafe {
-            libc::memfd_create(
-                c"accel-inflight".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
-        if fd < 0 {
-            return Err(InflightError::Create(std::io::Error::last_os_error()));
-        }
-        // SAFETY: fd is a new descriptor nothing else owns.
-        let file = unsafe { File::from_raw_fd(fd) };
         let len = queue_region_size(queue_size) * usize::from(num_queues);
-        file.set_len(len as u64).map_err(InflightError::Create)?;
         // Its size is fixed: QEMU keeps the descriptor and cannot shrink the region under
         // this acceld or the next one (a mapped page past the end is SIGBUS).
-        // SAFETY: fcntl F_ADD_SEALS on our own memfd has no memory effects.
-        let r = unsafe {
-            libc::fcntl(
-                file.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
-            )
-        };
-        if r != 0 {
-            return Err(InflightError::Create(std::io::Error::last_os_error()));
-        }
+        let file = crate::util::memfd(
+            c"accel-inflight",
+            len as u64,
+            Some(libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL),
+        )
+        .map_err(InflightError::Create)?;
         Self::map(file, len as u64, 0, num_queues, queue_size)
     }
 
