@@ -225,11 +225,10 @@ impl Drive {
         let mut c = match self.cfg.model {
             DeviceModel::Export => BlkConfig::qemu_like(sectors, bs, q),
             DeviceModel::VirtioBlk => {
-                let mut c = BlkConfig::virtio_blk_like(sectors, bs, q);
                 // QEMU guesses the geometry once, at the device's start: a resize keeps it.
-                let at_start =
+                let mut c =
                     BlkConfig::virtio_blk_like(self.cfg.capacity_bytes >> SECTOR_SHIFT, bs, q);
-                c.cylinders = at_start.cylinders;
+                c.capacity = sectors;
                 c
             }
         };

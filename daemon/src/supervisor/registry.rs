@@ -409,10 +409,11 @@ impl Supervisor {
         }
         let _ = std::fs::remove_file(vm.nbd_socket());
         let _ = std::fs::remove_file(self.monitor_socket(&vm.name));
+        // Ending the permit removes the directory too (once empty); a kept permit keeps its
+        // control socket, and so the directory.
         if !keep_permit {
             self.end_permit(&vm.name);
         }
-        let _ = std::fs::remove_dir(&vm.dir);
         {
             let mut vms = lock(&self.vms);
             if vms.get(&vm.name).is_some_and(|v| Arc::ptr_eq(v, vm)) {

@@ -331,13 +331,15 @@ impl Supervisor {
         }
         for d in vm.drives.values() {
             if let Err(e) = self.reconcile(vm, d, &qmp, urgent).await {
-                if qemu_ended(&e) {
+                if qmp.is_closed() {
                     // QEMU quit (after a completed migration on the source, a shutdown): an
                     // expected end, not a fault; the VM's task notices it next.
-                    if lock(&vm.migration).as_deref() == Some("completed") {
-                        info!(vm = %vm.name, "QEMU ended after its migration completed");
-                    } else {
-                        info!(vm = %vm.name, "QEMU closed its QMP connection");
+                    if let Some(n) = vm.log.admit() {
+                        if lock(&vm.migration).as_deref() == Some("completed") {
+                            info!(vm = %vm.name, "QEMU ended after its migration completed{}", suppressed(n));
+                        } else {
+                            info!(vm = %vm.name, "QEMU closed its QMP connection{}", suppressed(n));
+                        }
                     }
                     return;
                 }
@@ -537,15 +539,4 @@ async fn find_devices(vm: &Vm, qmp: &Qmp) -> Result<(), SupError> {
         lock(&d.graph).device = dev;
     }
     Ok(())
-}
-
-/// The error is QEMU closing its QMP connection (it ended), not a refusal or a timeout.
-fn qemu_ended(e: &SupError) -> bool {
-    matches!(
-        e,
-        SupError::Qmp {
-            source: qmp_client::QmpError::Closed(_),
-            ..
-        }
-    )
 }
