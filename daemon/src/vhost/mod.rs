@@ -584,14 +584,22 @@ impl VhostUserBackendReqHandlerMut for Connection {
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
         let ev = fd.map(file_to_eventfd).transpose()?;
         let v = self.vring(u32::from(index))?;
-        // A request completed before this call fd existed may be waiting for an interrupt:
-        // one spurious interrupt is harmless, a lost one hangs the guest.
-        if v.worker.is_some() {
-            if let Some(e) = &ev {
+        let running = v.worker.is_some();
+        let mut call = lock(&v.call);
+        *call = ev;
+        // A running worker may have signalled the old fd after the front-end stopped
+        // reading it (QEMU swaps a vector's call fd when the guest masks or unmasks it, and
+        // reads the old one only before sending the new): that interrupt is lost. So one
+        // interrupt on the new fd, sent after the swap and under the lock the worker takes
+        // to signal, so that every completion is either before this signal or signalled
+        // on the new fd itself. Signalling before the swap would leave a window: the guest
+        // takes that interrupt, finds nothing, re-arms, and the worker's next completion
+        // still goes to the old fd. A spurious interrupt only makes the driver look.
+        if running {
+            if let Some(e) = call.as_ref() {
                 let _ = e.write(1);
             }
         }
-        *lock(&v.call) = ev;
         Ok(())
     }
 
