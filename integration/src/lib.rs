@@ -307,6 +307,30 @@ impl Guest {
         }
     }
 
+    /// Watches the `progress=` figures for `span`: the guest's writes must go on completing,
+    /// no `window` without one. Returns the figures seen. (The figure is printed every 2 s by
+    /// a shell loop that needs no disk, so a stalled disk still prints: the same figure.)
+    pub fn keeps_writing(&mut self, span: Duration, window: Duration) -> Result<Vec<u64>> {
+        let t0 = Instant::now();
+        let mut seen = vec![self.progress()?];
+        let mut rose = Instant::now();
+        while t0.elapsed() < span {
+            let p = self.progress()?;
+            if p > *seen.last().unwrap() {
+                rose = Instant::now();
+            }
+            seen.push(p);
+            if rose.elapsed() > window {
+                bail!(
+                    "the guest's writes stopped completing {:?} after the watch began: no progress for {:?} (figures {seen:?})",
+                    rose - t0,
+                    rose.elapsed()
+                );
+            }
+        }
+        Ok(seen)
+    }
+
     /// Waits for a serial line containing `needle`, up to `timeout`.
     pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<String> {
         let deadline = Instant::now() + timeout;
