@@ -143,6 +143,11 @@ enum LibvirtCmd {
         /// Register every converted disk with `lend=on` (docs/qemu-engine.md).
         #[arg(long)]
         lend: bool,
+        /// AppArmor's directory: where libvirt's QEMU abstraction is, the rules that let a
+        /// confined QEMU reach acceld's sockets go (abstractions/libvirt-qemu.d/accel),
+        /// checked with apparmor_parser when it is installed.
+        #[arg(long, default_value = "/etc/apparmor.d")]
+        apparmor_dir: PathBuf,
     },
     /// Remove what `install` installed.
     Uninstall {
@@ -150,6 +155,8 @@ enum LibvirtCmd {
         hooks_dir: PathBuf,
         #[arg(long, default_value = accelctl::libvirt::DEFAULT_CONF)]
         conf: PathBuf,
+        #[arg(long, default_value = "/etc/apparmor.d")]
+        apparmor_dir: PathBuf,
     },
     /// The hook itself (libvirt runs it: DOMAIN OP SUBOP EXTRA, the domain XML on stdin).
     Hook {
@@ -255,6 +262,10 @@ fn call(cli: &Cli, req: &Request) -> Result<Value, Fail> {
     }
 }
 
+fn io(what: &str, p: &std::path::Path, e: impl std::fmt::Display) -> Fail {
+    Fail::Remote(ErrorKind::Failed, format!("{what} {}: {e}", p.display()))
+}
+
 fn chain(e: &dyn std::error::Error) -> String {
     accel_api::error_chain(e)
 }
@@ -263,10 +274,7 @@ fn chain(e: &dyn std::error::Error) -> String {
 const INSTALLED_BY: &str = "accelctl libvirt install";
 
 fn libvirt(cli: &Cli, cmd: &LibvirtCmd) -> Result<(), Fail> {
-    use accelctl::libvirt::{hook, xml, WrapperConf};
-    let io = |what: &str, p: &std::path::Path, e: std::io::Error| {
-        Fail::Remote(ErrorKind::Failed, format!("{what} {}: {e}", p.display()))
-    };
+    use accelctl::libvirt::{apparmor, hook, xml, WrapperConf};
     match cmd {
         LibvirtCmd::Convert {
             xml: path,
@@ -294,6 +302,7 @@ fn libvirt(cli: &Cli, cmd: &LibvirtCmd) -> Result<(), Fail> {
             qemu,
             start_acceld,
             lend,
+            apparmor_dir,
         } => {
             let me = std::env::current_exe()
                 .map_err(|e| Fail::Remote(ErrorKind::Failed, format!("where is accelctl: {e}")))?;
@@ -341,6 +350,7 @@ fn libvirt(cli: &Cli, cmd: &LibvirtCmd) -> Result<(), Fail> {
                     .map_err(|e| io("chmod", &h, e))?;
             }
             eprintln!("wrote {}", h.display());
+            install_apparmor(apparmor_dir, &c, conf, &wrapper)?;
             eprintln!(
                 "convert a domain: accelctl libvirt convert DOMAIN.xml --emulator {} > new.xml && virsh define new.xml",
                 wrapper.display()
@@ -348,8 +358,16 @@ fn libvirt(cli: &Cli, cmd: &LibvirtCmd) -> Result<(), Fail> {
             eprintln!("libvirtd finds a new hook when it (re)starts");
             Ok(())
         }
-        LibvirtCmd::Uninstall { hooks_dir, conf } => {
-            for p in [hooks_dir.join("qemu.d").join("accel"), conf.clone()] {
+        LibvirtCmd::Uninstall {
+            hooks_dir,
+            conf,
+            apparmor_dir,
+        } => {
+            for p in [
+                hooks_dir.join("qemu.d").join("accel"),
+                conf.clone(),
+                apparmor_dir.join(apparmor::FILE),
+            ] {
                 match std::fs::read_to_string(&p) {
                     Ok(t) if t.contains(INSTALLED_BY) => {
                         std::fs::remove_file(&p).map_err(|e| io("remove", &p, e))?;
@@ -547,6 +565,135 @@ fn run(cli: &Cli) -> Result<(), Fail> {
             }
             Ok(())
         }
+    }
+}
+
+/// Writes the AppArmor rules a confined QEMU needs (when libvirt's AppArmor abstraction is
+/// there) and checks that a domain profile including them parses (when apparmor_parser is
+/// there); rules that do not parse are removed again.
+fn install_apparmor(
+    dir: &std::path::Path,
+    c: &accelctl::libvirt::WrapperConf,
+    conf: &std::path::Path,
+    wrapper: &std::path::Path,
+) -> Result<(), Fail> {
+    use accelctl::libvirt::apparmor;
+    if !dir.join(apparmor::ABSTRACTION).exists() {
+        eprintln!(
+            "no {}: libvirt's AppArmor abstraction is not installed, so no AppArmor rules were written",
+            dir.join(apparmor::ABSTRACTION).display()
+        );
+        return Ok(());
+    }
+    let abs = |p: &std::path::Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    let text = apparmor::rules(INSTALLED_BY, &c.run_dir, &abs(conf), &abs(wrapper), &c.qemu)
+        .map_err(|e| Fail::Usage(e.to_string()))?;
+    let f = dir.join(apparmor::FILE);
+    match std::fs::read_to_string(&f) {
+        Ok(t) if !t.contains(INSTALLED_BY) => {
+            return Err(Fail::Remote(
+                ErrorKind::Failed,
+                format!(
+                    "{} exists and was not written by accelctl: left alone",
+                    f.display()
+                ),
+            ))
+        }
+        _ => {}
+    }
+    if let Some(d) = f.parent() {
+        std::fs::create_dir_all(d).map_err(|e| io("create", d, e))?;
+    }
+    std::fs::write(&f, &text).map_err(|e| io("write", &f, e))?;
+    eprintln!("wrote {}", f.display());
+    let Some(parser) = ["/usr/sbin/apparmor_parser", "/sbin/apparmor_parser"]
+        .into_iter()
+        .map(std::path::Path::new)
+        .find(|p| p.exists())
+    else {
+        eprintln!("apparmor_parser is not installed: the rules' syntax was not checked");
+        return Ok(());
+    };
+    let template = dir.join(apparmor::TEMPLATE);
+    let Ok(t) = std::fs::read_to_string(&template) else {
+        eprintln!(
+            "no {}: the rules' syntax was not checked",
+            template.display()
+        );
+        return Ok(());
+    };
+    // A domain profile as virt-aa-helper makes one from the template (mode 0600 in a
+    // directory only root writes: nobody swaps it under the parser).
+    let probe =
+        Probe(std::env::temp_dir().join(format!("accel-apparmor-check-{}", std::process::id())));
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut fh = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&probe.0)
+            .map_err(|e| io("create", &probe.0, e))?;
+        fh.write_all(
+            t.replace("LIBVIRT_TEMPLATE", "libvirt-accel-install-check")
+                .as_bytes(),
+        )
+        .map_err(|e| io("write", &probe.0, e))?;
+    }
+    let out = std::process::Command::new(parser)
+        .args(["--skip-kernel-load", "--skip-cache", "--preprocess", "-I"])
+        .arg(dir)
+        .arg(&probe.0)
+        .output()
+        .map_err(|e| io("run", parser, e))?;
+    let pre = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() || !pre.contains(INSTALLED_BY) {
+        let _ = std::fs::remove_file(&f);
+        return Err(Fail::Remote(
+            ErrorKind::Failed,
+            format!(
+                "{} rejects a domain profile with accel's rules (removed again){}: {}",
+                parser.display(),
+                if out.status.success() {
+                    " or does not include them"
+                } else {
+                    ""
+                },
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        ));
+    }
+    let out = std::process::Command::new(parser)
+        .args(["--skip-kernel-load", "--skip-cache", "-I"])
+        .arg(dir)
+        .arg(&probe.0)
+        .output()
+        .map_err(|e| io("run", parser, e))?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&f);
+        return Err(Fail::Remote(
+            ErrorKind::Failed,
+            format!(
+                "{} rejects a domain profile with accel's rules (removed again): {}",
+                parser.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        ));
+    }
+    eprintln!(
+        "a libvirt domain profile with these rules parses ({}); domains started from now on get them",
+        parser.display()
+    );
+    Ok(())
+}
+
+/// A temporary file removed when dropped.
+struct Probe(PathBuf);
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }
 

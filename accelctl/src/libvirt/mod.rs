@@ -7,6 +7,7 @@ use accel_api::status::{Status, VmStatus};
 use serde::Deserialize;
 use thiserror::Error;
 
+pub mod apparmor;
 pub mod argv;
 pub mod hook;
 pub mod relay;
