@@ -686,7 +686,8 @@ fn log_len(dom: &str) -> u64 {
 /// A plain domain and its `accelctl libvirt convert` twin, one after the other under real
 /// libvirt: the guest's view of its disk (size, serial, queues, negotiated virtio features,
 /// block limits, discard and write-zeroes, write cache, queue depth) and libvirt's taint
-/// flags are the same, but for RING_RESET (QEMU's vhost-user-blk does not pass it on).
+/// flags are the same, but for RING_RESET (acceld does not offer it: QEMU's vhost-user-blk
+/// would pass it on but never tells its back-end of a guest's ring reset).
 #[test]
 fn a_converted_domain_looks_like_its_plain_twin() -> Result<()> {
     let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
@@ -747,8 +748,10 @@ fn a_converted_domain_looks_like_its_plain_twin() -> Result<()> {
     );
     assert_eq!(plain.0.len(), conv.0.len(), "{:?}\n{:?}", plain.0, conv.0);
     // The one thing the guest can still tell (docs/libvirt.md, "What the guest can tell"):
-    // VIRTIO_F_RING_RESET (feature bit 40), which QEMU's virtio-blk offers and its
-    // vhost-user-blk device does not pass on. Everything else must be the same.
+    // VIRTIO_F_RING_RESET (feature bit 40), which QEMU's virtio-blk offers and acceld does
+    // not: QEMU's vhost-user-blk device passes the bit on but not a guest's ring reset, so a
+    // guest resetting a queue would find acceld serving its old ring. Everything else must be
+    // the same.
     const RING_RESET: usize = 40;
     let mut differ = Vec::new();
     for (a, b) in plain.0.iter().zip(conv.0.iter()) {

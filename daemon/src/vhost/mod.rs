@@ -67,6 +67,10 @@ pub fn protocol_features() -> VhostUserProtocolFeatures {
 /// Virtio and vhost feature bits offered to the frontend for a drive: the device set of its
 /// model (QEMU's virtio-blk, or its export), with VHOST_F_LOG_ALL (dirty logging for live
 /// migration).
+///
+/// Not VIRTIO_F_RING_RESET, although QEMU's virtio-blk offers it and QEMU's vhost-user-blk
+/// device would pass it to the guest: that device never tells its back-end of a guest's
+/// ring reset, so acceld would go on serving the old ring (docs/libvirt.md).
 pub fn virtio_features(cfg: &crate::drive::DriveConfig) -> u64 {
     virtio_blk::device_features(cfg.read_only, cfg.model, cfg.num_queues)
         | 1 << VIRTIO_F_VERSION_1
