@@ -11,10 +11,13 @@ use anyhow::{anyhow, bail, Context, Result};
 
 pub mod capture;
 pub mod compare;
+pub mod domain;
 pub mod migration;
 pub mod migration_bench;
+pub mod serial;
 pub mod supervised;
 pub mod switch_bench;
+pub mod two_hosts;
 
 /// The integration crate's folder.
 pub fn crate_dir() -> PathBuf {
@@ -286,11 +289,7 @@ impl Guest {
     /// disk, printed every 2 s).
     pub fn progress(&mut self) -> Result<u64> {
         let line = self.wait_for("progress=", Duration::from_secs(120))?;
-        line.rsplit("progress=")
-            .next()
-            .and_then(|s| s.split_whitespace().next())
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| anyhow!("no figure in {line:?}"))
+        progress_figure(&line)
     }
 
     /// Waits for a `progress=` figure above `at` (the guest's I/O went on) and returns it;
@@ -307,28 +306,9 @@ impl Guest {
         }
     }
 
-    /// Watches the `progress=` figures for `span`: the guest's writes must go on completing,
-    /// no `window` without one. Returns the figures seen. (The figure is printed every 2 s by
-    /// a shell loop that needs no disk, so a stalled disk still prints: the same figure.)
+    /// Watches the guest's `progress=` figures for `span` ([`keeps_progressing`]).
     pub fn keeps_writing(&mut self, span: Duration, window: Duration) -> Result<Vec<u64>> {
-        let t0 = Instant::now();
-        let mut seen = vec![self.progress()?];
-        let mut rose = Instant::now();
-        while t0.elapsed() < span {
-            let p = self.progress()?;
-            if p > *seen.last().unwrap() {
-                rose = Instant::now();
-            }
-            seen.push(p);
-            if rose.elapsed() > window {
-                bail!(
-                    "the guest's writes stopped completing {:?} after the watch began: no progress for {:?} (figures {seen:?})",
-                    rose - t0,
-                    rose.elapsed()
-                );
-            }
-        }
-        Ok(seen)
+        keeps_progressing(span, window, || self.progress())
     }
 
     /// Waits for a serial line containing `needle`, up to `timeout`.
@@ -402,6 +382,44 @@ impl Drop for Guest {
             let _ = self.child.wait();
         }
     }
+}
+
+/// The figure of an `accel-writer` `progress=N` line.
+pub fn progress_figure(line: &str) -> Result<u64> {
+    line.rsplit("progress=")
+        .next()
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow!("no figure in {line:?}"))
+}
+
+/// Watches `accel-writer`'s `progress=` figures (`next` gives the next one) for `span`: the
+/// guest's writes must go on completing, no `window` without one. Returns the figures seen.
+/// (The figure is printed every 2 s by a shell loop that needs no disk, so a stalled disk
+/// still prints: the same figure.)
+pub fn keeps_progressing(
+    span: Duration,
+    window: Duration,
+    mut next: impl FnMut() -> Result<u64>,
+) -> Result<Vec<u64>> {
+    let t0 = Instant::now();
+    let mut seen = vec![next()?];
+    let mut rose = Instant::now();
+    while t0.elapsed() < span {
+        let p = next()?;
+        if p > *seen.last().unwrap() {
+            rose = Instant::now();
+        }
+        seen.push(p);
+        if rose.elapsed() > window {
+            bail!(
+                "the guest's writes stopped completing {:?} after the watch began: no progress for {:?} (figures {seen:?})",
+                rose - t0,
+                rose.elapsed()
+            );
+        }
+    }
+    Ok(seen)
 }
 
 /// `key=value` lines the guest printed.

@@ -8,13 +8,12 @@
 //! domain's DAC label) and as libvirt-qemu (qemu.conf's). CI starts virtlogd and libvirtd (`.ci/run`);
 //! `ACCEL_LIBVIRT_TESTS=0` leaves the test out on a machine without them.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use accel_integration::domain::{domain_xml_of, DomainSpec};
+use accel_integration::serial::Serial;
 use accel_integration::supervised::{accelctl_bin, writer_script, AcceldRun};
 use accel_integration::{acceld_bin, ensure_guest, host_md5};
 use anyhow::{anyhow, bail, Context, Result};
@@ -65,66 +64,6 @@ fn restart_libvirtd() -> Result<()> {
         std::thread::sleep(Duration::from_millis(100));
     }
     Ok(())
-}
-
-/// The guest's serial console: a unix socket QEMU listens on (a new one per QEMU process).
-struct Serial {
-    stream: UnixStream,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-}
-
-impl Serial {
-    fn connect(path: &Path) -> Result<Self> {
-        let t0 = Instant::now();
-        let stream = loop {
-            match UnixStream::connect(path) {
-                Ok(s) => break s,
-                Err(_) if t0.elapsed() < Duration::from_secs(60) => {
-                    std::thread::sleep(Duration::from_millis(50))
-                }
-                Err(e) => return Err(e).context(format!("serial console {}", path.display())),
-            }
-        };
-        let (tx, lines) = mpsc::channel();
-        let r = stream.try_clone()?;
-        std::thread::spawn(move || {
-            for l in BufReader::new(r).lines().map_while(|l| l.ok()) {
-                let _ = tx.send(l);
-            }
-        });
-        Ok(Serial {
-            stream,
-            lines,
-            seen: Vec::new(),
-        })
-    }
-
-    fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<String> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.seen.push(l.clone());
-                    if l.contains(needle) {
-                        return Ok(l);
-                    }
-                }
-                Err(_) => bail!(
-                    "guest did not print '{needle}' within {timeout:?}:\n{}",
-                    self.seen.join("\n")
-                ),
-            }
-        }
-    }
-
-    fn value(&mut self, key: &str) -> Result<String> {
-        let l = self.wait_for(&format!("{key}="), Duration::from_secs(120))?;
-        Ok(l.split_once(&format!("{key}="))
-            .map(|(_, v)| v.trim().to_string())
-            .unwrap_or_default())
-    }
 }
 
 /// `virsh blkdeviotune DOM vda --total-iops-sec N --live` (0 clears the limit).
@@ -187,68 +126,6 @@ fn qemu_uid(dom: &str) -> Result<u32> {
         .ok_or_else(|| anyhow!("no effective Uid in /proc/{}/status", pid.trim()))
 }
 
-/// The test domains' XML: a TCG guest running `script`, one raw file disk `img` (with
-/// `driver_extra` on its `<driver>`), its console on `serial`; `vcpus` vCPUs; QEMU as root
-/// through the domain's DAC label unless `user` (qemu.conf's user).
-struct DomainSpec<'a> {
-    name: &'a str,
-    uuid: String,
-    vcpus: u32,
-    script: &'a str,
-    img: &'a Path,
-    driver_extra: &'a str,
-    serial: &'a Path,
-    user: Option<QemuUser>,
-}
-
-fn domain_xml_of(s: &DomainSpec, kernel: &Path, initrd: &Path) -> String {
-    let cmd = base64(s.script.as_bytes());
-    // Root asks for itself; libvirt-qemu is qemu.conf's user (a dynamic label).
-    let seclabel = match s.user {
-        Some(_) => String::new(),
-        None => {
-            "  <seclabel type='static' model='dac' relabel='yes'><label>+0:+0</label></seclabel>\n"
-                .into()
-        }
-    };
-    format!(
-        r#"<domain type='qemu'>
-  <name>{}</name>
-  <uuid>{}</uuid>
-  <memory unit='MiB'>256</memory>
-  <vcpu>{}</vcpu>
-  <features><acpi/></features>
-  <os>
-    <type arch='x86_64' machine='q35'>hvm</type>
-    <kernel>{}</kernel>
-    <initrd>{}</initrd>
-    <cmdline>console=ttyS0 panic=-1 testcmd={cmd}</cmdline>
-  </os>
-  <on_poweroff>destroy</on_poweroff><on_reboot>destroy</on_reboot><on_crash>destroy</on_crash>
-  <devices>
-    <emulator>/usr/bin/qemu-system-x86_64</emulator>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='raw' cache='none' io='native'{}/>
-      <source file='{}'/>
-      <target dev='vda' bus='virtio'/>
-    </disk>
-    <controller type='usb' model='none'/>
-    <serial type='unix'><source mode='bind' path='{}'/><target port='0'/></serial>
-    <memballoon model='none'/>
-  </devices>
-{seclabel}</domain>
-"#,
-        s.name,
-        s.uuid,
-        s.vcpus,
-        kernel.display(),
-        initrd.display(),
-        s.driver_extra,
-        s.img.display(),
-        s.serial.display()
-    )
-}
-
 fn domain_xml(
     dir: &Path,
     img: &Path,
@@ -266,29 +143,11 @@ fn domain_xml(
             img,
             driver_extra: "",
             serial: &dir.join("serial.sock"),
-            user,
+            qemu_as_root: user.is_none(),
         },
         kernel,
         initrd,
     )
-}
-
-fn base64(b: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut s = String::new();
-    for c in b.chunks(3) {
-        let n = (c[0] as u32) << 16
-            | (*c.get(1).unwrap_or(&0) as u32) << 8
-            | *c.get(2).unwrap_or(&0) as u32;
-        for i in 0..4 {
-            if i <= c.len() {
-                s.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                s.push('=');
-            }
-        }
-    }
-    s
 }
 
 /// Undefines the domain and removes the hook whatever happens.
@@ -610,7 +469,7 @@ fn scenario(user: Option<QemuUser>) -> Result<()> {
 
     // The guest checks everything it wrote, then powers off: libvirt ends the domain and
     // acceld forgets it.
-    serial.stream.write_all(b"STOP\n")?;
+    serial.send_line("STOP")?;
     let errors = serial.value("errors")?;
     let kernel_errors = serial.value("kernel_errors")?;
     let sectors = serial.value("sectors")?;
@@ -657,7 +516,7 @@ fn twin_xml(name: &str, uuid_tail: u32, dir: &Path, kernel: &Path, initrd: &Path
             img: &dir.join(format!("{name}.raw")),
             driver_extra: " discard='unmap'",
             serial: &dir.join(format!("{name}.serial")),
-            user: None,
+            qemu_as_root: true,
         },
         kernel,
         initrd,
