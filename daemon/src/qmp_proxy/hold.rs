@@ -75,7 +75,11 @@ async fn take(
             .await
             .map_err(|e| e.chain())
             .and_then(|s| {
-                if s.engine == EngineKind::Qemu {
+                // Held: acceld serves nothing and has the image closed (an incoming VM's
+                // drive before its start, say, where libvirt's copy-storage exports the node
+                // for the source's mirror): QEMU's node is the only user already. The pin
+                // stays until the release, so a start meanwhile puts it on the qemu engine.
+                if matches!(s.engine, EngineKind::Qemu | EngineKind::Held) {
                     Ok(Some((prev, prev_persistent)))
                 } else {
                     Err(format!("it stayed on the {:?} engine", s.engine))
