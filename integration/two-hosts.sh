@@ -14,6 +14,7 @@
 #   two-hosts.sh exec A|B CMD... run CMD inside a host (all its namespaces)
 #   two-hosts.sh pid A|B         the host init's pid (/proc/PID/root is the host's file view)
 #   two-hosts.sh status          whether each host runs and answers virsh
+#   two-hosts.sh acceld A|B stop|start   stop or start a host's acceld
 #
 # DIR is $ACCEL_HOSTS_DIR or /var/tmp/accel-hosts: DIR/A and DIR/B hold each host's
 # directories and logs (acceld.log, libvirtd.log), DIR/shared the shared storage. The binaries
@@ -70,6 +71,14 @@ EOF
   printf '127.0.0.1 localhost\n%s hosta\n%s hostb\n' "$(ip_of A)" "$(ip_of B)" > "$d/hosts"
 }
 
+# Inside host $1: starts its acceld (log appended to DIR/H/acceld.log), waits for its socket.
+start_acceld() {
+  local d=$DIR/$1
+  ACCELD_LOG=${ACCELD_LOG:-info} setsid "$BIN/acceld" run --run-dir /run/accel >> "$d/acceld.log" 2>&1 < /dev/null &
+  echo $! > "$d/acceld.pid"
+  for _ in $(seq 200); do [ -S /run/accel/acceld.sock ] && break; sleep 0.05; done
+}
+
 # Runs as the host's init (pid 1 of its pid namespace), in its own mount namespace.
 init() { # A|B
   local h=$1 d=$DIR/$1
@@ -86,9 +95,7 @@ init() { # A|B
   ip link set lo up
   # The parent moves our end of the veth pair in and addresses it; wait for it.
   for _ in $(seq 200); do [ -e "$d/net-ready" ] && break; sleep 0.05; done
-  export ACCELD_LOG=${ACCELD_LOG:-info}
-  setsid "$BIN/acceld" run --run-dir /run/accel > "$d/acceld.log" 2>&1 < /dev/null &
-  for _ in $(seq 200); do [ -S /run/accel/acceld.sock ] && break; sleep 0.05; done
+  start_acceld "$h"
   "$BIN/accelctl" libvirt install --apparmor-dir "$d/no-apparmor" > "$d/install.log" 2>&1
   virtlogd -d
   libvirtd -d --listen
@@ -161,6 +168,21 @@ case "${1:-}" in
     exec nsenter -t "$(pid_of "$h")" -a --wd=/ "$@"
     ;;
   pid) alive "${2:?A or B}" && pid_of "$2" ;;
+  acceld)
+    # two-hosts.sh acceld A|B stop|start: a host without its acceld (failure tests), then back.
+    h=${2:?A or B}
+    alive "$h" || { echo "host $h is not up" >&2; exit 1; }
+    case "${3:-}" in
+      stop)
+        p=$(cat "$DIR/$h/acceld.pid")
+        nsenter -t "$(pid_of "$h")" -a kill -TERM "$p"
+        for _ in $(seq 200); do nsenter -t "$(pid_of "$h")" -a kill -0 "$p" 2>/dev/null || break; sleep 0.05; done
+        ;;
+      start) nsenter -t "$(pid_of "$h")" -a "$(readlink -f "$0")" __acceld "$h" ;;
+      *) echo "acceld A|B stop|start" >&2; exit 2 ;;
+    esac
+    ;;
+  __acceld) start_acceld "$2" ;;
   status)
     for h in A B; do
       if alive $h && nsenter -t "$(pid_of $h)" -a virsh -c qemu:///system version > /dev/null 2>&1; then
@@ -170,5 +192,5 @@ case "${1:-}" in
       fi
     done
     ;;
-  *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

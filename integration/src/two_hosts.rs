@@ -178,6 +178,21 @@ impl TwoHosts {
         Ok(())
     }
 
+    /// Stops (`false`) or starts (`true`) host `h`'s acceld.
+    pub fn set_acceld(&self, h: Host, running: bool) -> Result<()> {
+        let out = Command::new(&self.script)
+            .args(["acceld", h.arg(), if running { "start" } else { "stop" }])
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "two-hosts.sh acceld {}: {}",
+                h.arg(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
     /// Host `h`'s files as seen from here.
     pub fn root(&self, h: Host) -> Result<PathBuf> {
         let pid = std::fs::read_to_string(self.dir.join(h.arg()).join("init.pid"))?;

@@ -326,3 +326,74 @@ fn virsh_migrate_copy_storage_moves_a_converted_domain_with_its_disk() -> Result
     }
     Ok(())
 }
+
+/// Migrations that fail leave the domain running on its source, still accelerated, its
+/// guest writing: the destination's acceld down (its hook refuses the incoming domain), then
+/// the destination's libvirtd refusing (a different domain of that name defined there). Then
+/// `virsh migrate --live --p2p` (the source's libvirtd drives the destination's) moves it:
+/// direct on the destination, forgotten on the source, 0 guest errors.
+#[test]
+fn failed_migrations_leave_the_domain_on_its_source_and_p2p_moves_it() -> Result<()> {
+    let _one = one_at_a_time();
+    if skip() {
+        return Ok(());
+    }
+    let (kernel, initrd) = ensure_guest()?;
+    let hosts = TwoHosts::up()?;
+    let d = Dom::define(&hosts, "xhost-fail", 4, true, false, &kernel, &initrd)?;
+    hosts.virsh(Host::A, &["start", d.name])?;
+    let mut serial = hosts.serial(Host::A, &d.serial)?;
+    serial.wait_for("READY", Duration::from_secs(180))?;
+    hosts.wait_engine(Host::A, d.name, DRIVE, "direct", Duration::from_secs(20))?;
+    let still_on_a = |serial: &mut Serial, what: &str| -> Result<()> {
+        let state = hosts.virsh(Host::A, &["domstate", d.name])?;
+        assert_eq!(state.trim(), "running", "after {what}");
+        let dr = hosts.drive(Host::A, d.name, DRIVE)?;
+        assert_eq!(dr["engine"], "direct", "after {what}: {dr}");
+        let on_b = hosts.virsh(Host::B, &["list", "--name"])?;
+        assert!(!on_b.contains(d.name), "after {what}, B runs {on_b}");
+        let p = serial.progress()?;
+        while serial.progress()? <= p {}
+        Ok(())
+    };
+    // 1. No acceld on the destination.
+    hosts.set_acceld(Host::B, false)?;
+    let e = hosts
+        .virsh(Host::A, &["migrate", "--live", d.name, &Host::B.uri()])
+        .expect_err("a migration to a host without acceld succeeded");
+    println!("destination acceld down: {e}");
+    still_on_a(&mut serial, "a migration to a host without acceld")?;
+    hosts.set_acceld(Host::B, true)?;
+    // 2. The destination's libvirtd refuses: another domain of that name is defined there.
+    let other = hosts.shared().join("other.xml");
+    std::fs::write(
+        &other,
+        std::fs::read_to_string(hosts.shared().join(format!("{}.xml", d.name)))?.replace(
+            "<uuid>0b6f2f9e-5a1c-4e7e-9d1e-acce1d000204</uuid>",
+            "<uuid>0b6f2f9e-5a1c-4e7e-9d1e-acce1d0002ff</uuid>",
+        ),
+    )?;
+    hosts.virsh(Host::B, &["define", other.to_str().unwrap()])?;
+    let e = hosts
+        .virsh(Host::A, &["migrate", "--live", d.name, &Host::B.uri()])
+        .expect_err("a migration onto a conflicting definition succeeded");
+    println!("destination libvirtd refusing: {e}");
+    still_on_a(&mut serial, "a migration the destination refused")?;
+    hosts.virsh(Host::B, &["undefine", d.name])?;
+    // 3. Peer to peer.
+    let h = hop(&hosts, &d, Host::A, &["--p2p"])?;
+    println!(
+        "--p2p: virsh migrate {} ms, downtime {} ms",
+        h.wall_ms, h.downtime_ms
+    );
+    let mut serial = hosts.serial(Host::B, &d.serial)?;
+    let p = serial.progress()?;
+    while serial.progress()? <= p {}
+    verify(&mut serial, &d.img)?;
+    for h in [Host::A, Host::B] {
+        for w in hosts.acceld_warnings(h) {
+            println!("acceld on {}: {w}", h.name());
+        }
+    }
+    Ok(())
+}
