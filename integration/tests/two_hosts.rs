@@ -14,7 +14,7 @@ use accel_integration::domain::{domain_xml_of, DomainSpec};
 use accel_integration::serial::Serial;
 use accel_integration::supervised::{accelctl_bin, writer_script};
 use accel_integration::two_hosts::{Host, TwoHosts};
-use accel_integration::{ensure_guest, host_md5, keeps_progressing};
+use accel_integration::{create_qcow2, ensure_guest, host_md5, keeps_progressing, qcow2_md5};
 use anyhow::{bail, Context, Result};
 
 const WORKERS: u32 = 32;
@@ -44,6 +44,11 @@ struct Dom {
     private: bool,
     serial: PathBuf,
     converted: bool,
+    qcow2: bool,
+    /// The engine the destination's acceld must serve the disk on after a hop.
+    engine: std::cell::Cell<&'static str>,
+    /// The IOPS limit `blkdeviotune` must read on the destination after a hop.
+    throttle: std::cell::Cell<Option<u64>>,
 }
 
 impl Dom {
@@ -56,6 +61,22 @@ impl Dom {
         kernel: &Path,
         initrd: &Path,
     ) -> Result<Dom> {
+        Dom::define_with(
+            hosts, name, uuid_tail, converted, private, false, kernel, initrd,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn define_with(
+        hosts: &TwoHosts,
+        name: &'static str,
+        uuid_tail: u32,
+        converted: bool,
+        private: bool,
+        qcow2: bool,
+        kernel: &Path,
+        initrd: &Path,
+    ) -> Result<Dom> {
         let shared = hosts.shared();
         let img = if private {
             // Each host's own /var/lib/libvirt: a blank image of the same size on both
@@ -65,6 +86,10 @@ impl Dom {
                 std::fs::File::create(hosts.root(h)?.join(img.strip_prefix("/")?))?
                     .set_len(64 << 20)?;
             }
+            img
+        } else if qcow2 {
+            let img = shared.join(format!("{name}.qcow2"));
+            create_qcow2(&img, "64M")?;
             img
         } else {
             let img = shared.join(format!("{name}.raw"));
@@ -88,6 +113,9 @@ impl Dom {
             kernel,
             initrd,
         );
+        if qcow2 {
+            xml = xml.replace("type='raw'", "type='qcow2'");
+        }
         let path = shared.join(format!("{name}.xml"));
         if converted {
             std::fs::write(&path, &xml)?;
@@ -111,6 +139,10 @@ impl Dom {
             private,
             serial,
             converted,
+            qcow2,
+            // A qcow2 image is QEMU's to read: the qemu engine.
+            engine: std::cell::Cell::new(if qcow2 { "qemu" } else { "direct" }),
+            throttle: std::cell::Cell::new(None),
         })
     }
 
@@ -153,10 +185,22 @@ fn hop(hosts: &TwoHosts, d: &Dom, src: Host, flags: &[&str]) -> Result<Hop> {
     let state = hosts.virsh(dst, &["domstate", d.name])?;
     assert_eq!(state.trim(), "running", "{} on {}", d.name, dst.name());
     if d.converted {
-        // The destination's acceld serves the disk on the direct engine; the source's has
-        // forgotten the VM.
-        hosts.wait_engine(dst, d.name, DRIVE, "direct", Duration::from_secs(20))?;
+        // The destination's acceld serves the disk (on the direct engine unless QEMU's block
+        // layer is needed); the source's has forgotten the VM.
+        hosts.wait_engine(dst, d.name, DRIVE, d.engine.get(), Duration::from_secs(20))?;
         hosts.wait_forgotten(src, d.name, Duration::from_secs(20))?;
+    }
+    if let Some(iops) = d.throttle.get() {
+        let tune = hosts.virsh(dst, &["blkdeviotune", d.name, "vda"])?;
+        assert!(
+            tune.lines().any(|l| {
+                l.split_once(':').is_some_and(|(k, v)| {
+                    k.trim() == "total_iops_sec" && v.trim() == iops.to_string()
+                })
+            }),
+            "the throttle on {}: {tune}",
+            dst.name()
+        );
     }
     let info = hosts.virsh(dst, &["domjobinfo", d.name, "--completed"])?;
     let downtime_ms = info
@@ -173,12 +217,27 @@ fn hop(hosts: &TwoHosts, d: &Dom, src: Host, flags: &[&str]) -> Result<Hop> {
 /// Boots `d` on A, migrates it `hops` times (A -> B -> A ...) under its writers, then watches
 /// its writes go on for `watch` and has the guest verify everything. Returns the hops.
 fn run(hosts: &TwoHosts, d: &Dom, hops: u32, flags: &[&str], watch: Duration) -> Result<Vec<Hop>> {
+    run_then(hosts, d, hops, flags, watch, |_| Ok(()), |_, _| Ok(()))
+}
+
+/// [`run`], with `first` run once the guest writes on A and `last` on the last host before
+/// the guest verifies.
+fn run_then(
+    hosts: &TwoHosts,
+    d: &Dom,
+    hops: u32,
+    flags: &[&str],
+    watch: Duration,
+    first: impl FnOnce(&TwoHosts) -> Result<()>,
+    last: impl FnOnce(&TwoHosts, Host) -> Result<()>,
+) -> Result<Vec<Hop>> {
     hosts.virsh(Host::A, &["start", d.name])?;
     let mut at = Host::A;
     let mut serial = hosts.serial(at, &d.serial)?;
     serial.wait_for("READY", Duration::from_secs(180))?;
+    first(hosts)?;
     if d.converted {
-        hosts.wait_engine(at, d.name, DRIVE, "direct", Duration::from_secs(20))?;
+        hosts.wait_engine(at, d.name, DRIVE, d.engine.get(), Duration::from_secs(20))?;
     }
     let mut out = Vec::new();
     for n in 1..=hops {
@@ -215,13 +274,18 @@ fn run(hosts: &TwoHosts, d: &Dom, hops: u32, flags: &[&str], watch: Duration) ->
             figures.last().unwrap()
         );
     }
-    verify(&mut serial, &d.image_on(hosts, at)?)?;
+    last(hosts, at)?;
+    verify_as(&mut serial, &d.image_on(hosts, at)?, d.qcow2)?;
     hosts.virsh(at, &["destroy", d.name]).ok();
     Ok(out)
 }
 
 /// Stops the writers; the guest's verdict and the image on the shared storage.
 fn verify(serial: &mut Serial, img: &Path) -> Result<()> {
+    verify_as(serial, img, false)
+}
+
+fn verify_as(serial: &mut Serial, img: &Path, qcow2: bool) -> Result<()> {
     serial.send_line("STOP")?;
     let verdict = serial.wait_for("RESULT:", Duration::from_secs(300))?;
     let seen = serial.seen.join("\n");
@@ -238,8 +302,13 @@ fn verify(serial: &mut Serial, img: &Path) -> Result<()> {
     };
     assert_eq!(value("errors"), "0", "{seen}");
     assert_eq!(value("kernel_errors"), "0", "{seen}");
+    let len = u64::from(WORKERS * BLOCKS) * 4096;
     assert_eq!(
-        host_md5(img, u64::from(WORKERS * BLOCKS) * 4096)?,
+        if qcow2 {
+            qcow2_md5(img, len)?
+        } else {
+            host_md5(img, len)?
+        },
         value("md5"),
         "the shared image holds what the guest wrote"
     );
@@ -395,5 +464,58 @@ fn failed_migrations_leave_the_domain_on_its_source_and_p2p_moves_it() -> Result
             println!("acceld on {}: {w}", h.name());
         }
     }
+    Ok(())
+}
+
+/// A qcow2 disk (the qemu engine: QEMU's block layer reads the format) and a raw disk
+/// throttled with `virsh blkdeviotune` (the qemu engine: QEMU's throttling) migrate on shared
+/// storage A -> B -> A: on each destination acceld serves the disk on the qemu engine, the
+/// throttle travels with the domain (`blkdeviotune` on the destination reads it back); once
+/// cleared on the last host the raw disk goes back to direct. 0 guest errors, images match.
+#[test]
+fn qcow2_and_throttled_disks_migrate_on_the_qemu_engine() -> Result<()> {
+    let _one = one_at_a_time();
+    if skip() {
+        return Ok(());
+    }
+    let (kernel, initrd) = ensure_guest()?;
+    let hosts = TwoHosts::up()?;
+    let q = Dom::define_with(
+        &hosts,
+        "xhost-qcow2",
+        5,
+        true,
+        false,
+        true,
+        &kernel,
+        &initrd,
+    )?;
+    run(&hosts, &q, 2, &[], Duration::ZERO)?;
+    let t = Dom::define(&hosts, "xhost-throttled", 6, true, false, &kernel, &initrd)?;
+    t.engine.set("qemu");
+    let iotune = |h: Host, extra: &[&str]| {
+        let mut a = vec!["blkdeviotune", t.name, "vda"];
+        a.extend_from_slice(extra);
+        hosts.virsh(h, &a)
+    };
+    // Both hops under the throttle, then cleared on A: the disk goes direct again.
+    run_then(
+        &hosts,
+        &t,
+        2,
+        &[],
+        Duration::ZERO,
+        |hosts| {
+            iotune(Host::A, &["--total-iops-sec", "400", "--live"])?;
+            hosts.wait_engine(Host::A, t.name, DRIVE, "qemu", Duration::from_secs(20))?;
+            t.throttle.set(Some(400));
+            Ok(())
+        },
+        |hosts, at| {
+            iotune(at, &["--total-iops-sec", "0", "--live"])?;
+            hosts.wait_engine(at, t.name, DRIVE, "direct", Duration::from_secs(30))?;
+            Ok(())
+        },
+    )?;
     Ok(())
 }
