@@ -391,6 +391,38 @@ fn scenario(user: Option<QemuUser>) -> Result<()> {
     assert!(virsh(&["domblklist", DOM])?.contains(img.to_str().unwrap()));
     acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(30))?;
 
+    // blockcopy --pivot to a raw file: the mirror is QEMU's; after the pivot the drive is
+    // served directly from the copy (opened as QEMU's user); and back the same way.
+    let copy = d.join("copy.raw");
+    for (to, reuse) in [(&copy, false), (&img, true)] {
+        let to_s = to.to_str().unwrap();
+        let mut args = vec![
+            "blockcopy",
+            DOM,
+            "vda",
+            to_s,
+            "--wait",
+            "--pivot",
+            "--transient-job",
+            "--format",
+            "raw",
+        ];
+        if reuse {
+            args.push("--reuse-external");
+        }
+        virsh(&args)?;
+        assert!(virsh(&["domblklist", DOM])?.contains(to_s));
+        acc.wait_engine(DOM, DRIVE, "direct", Duration::from_secs(30))?;
+        let dr = acc.drive(DOM, DRIVE)?;
+        assert_eq!(dr["image"], to_s, "the direct engine serves the copy: {dr}");
+        let w0 = stat(DOM, "wr_req")?;
+        std::thread::sleep(Duration::from_secs(2));
+        assert!(
+            stat(DOM, "wr_req")? > w0,
+            "no writes after the pivot to {to_s}"
+        );
+    }
+
     // blockresize: the guest sees the new size.
     virsh(&["blockresize", DOM, "vda", "80M"])?;
     let info = virsh(&["domblkinfo", DOM, "vda"])?;

@@ -127,7 +127,8 @@ pub struct Handshake {
     reader: BufReader<OwnedReadHalf>,
     writer: OwnedWriteHalf,
     path: PathBuf,
-    peer_uid: Option<u32>,
+    peer: Option<(u32, u32)>,
+    peer_pid: Option<i32>,
 }
 
 /// Connects and reads the greeting (within [`GREETING_TIMEOUT`]).
@@ -146,7 +147,9 @@ pub async fn connect_within(
             path: path.to_path_buf(),
             source: Arc::new(e),
         })?;
-    let peer_uid = stream.peer_cred().ok().map(|c| c.uid());
+    let cred = stream.peer_cred().ok();
+    let peer = cred.map(|c| (c.uid(), c.gid()));
+    let peer_pid = cred.and_then(|c| c.pid());
     let (r, w) = stream.into_split();
     let mut reader = BufReader::new(r);
     // A peer that never greets, or greets without end, must not hold acceld.
@@ -179,7 +182,8 @@ pub async fn connect_within(
         reader,
         writer: w,
         path: path.to_path_buf(),
-        peer_uid,
+        peer,
+        peer_pid,
     })
 }
 
@@ -380,8 +384,9 @@ struct Inner {
     greeting: Greeting,
     path: PathBuf,
     oob: bool,
-    /// The uid of the process listening on the socket (SO_PEERCRED).
-    peer_uid: Option<u32>,
+    /// The uid and gid of the process listening on the socket (SO_PEERCRED).
+    peer: Option<(u32, u32)>,
+    peer_pid: Option<i32>,
 }
 
 /// A negotiated QMP connection. Clone it to share it between tasks.
@@ -408,7 +413,8 @@ impl Qmp {
             timeout: Mutex::new(Duration::from_secs(30)),
             greeting: h.greeting,
             path: h.path,
-            peer_uid: h.peer_uid,
+            peer: h.peer,
+            peer_pid: h.peer_pid,
             oob,
         });
         tokio::spawn(reader_task(h.reader, inner.clone()));
@@ -417,7 +423,19 @@ impl Qmp {
 
     /// The uid of the process that serves this QMP socket, as the kernel says (SO_PEERCRED).
     pub fn peer_uid(&self) -> Option<u32> {
-        self.inner.peer_uid
+        self.inner.peer.map(|p| p.0)
+    }
+
+    /// The uid and gid of the process that serves this QMP socket (SO_PEERCRED, as it was
+    /// when that process made the socket).
+    pub fn peer(&self) -> Option<(u32, u32)> {
+        self.inner.peer
+    }
+
+    /// The pid of the process that serves this QMP socket (SO_PEERCRED). While this
+    /// connection is open that process lives, so the pid is not reused.
+    pub fn peer_pid(&self) -> Option<i32> {
+        self.inner.peer_pid
     }
 
     pub fn greeting(&self) -> &Greeting {

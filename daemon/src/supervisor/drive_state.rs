@@ -107,9 +107,11 @@ type ServerThread = (ShutdownHandle, JoinHandle<()>);
 
 pub struct ManagedDrive {
     pub spec: DriveSpec,
-    /// The image as registered: the only file the direct engine opens (see
-    /// [`super::permit::ImageRef`]).
-    pub image: super::permit::ImageRef,
+    /// The image as registered, or as taken after a pivot: the only file the direct engine
+    /// opens (see [`super::permit::ImageRef`]).
+    image: Mutex<super::permit::ImageRef>,
+    /// QEMU's node of the drive: the registered one, or the one QEMU pivoted the device to.
+    node: Mutex<String>,
     pub socket: PathBuf,
     pub drive: Arc<Drive>,
     server: Mutex<Option<ServerThread>>,
@@ -129,6 +131,16 @@ pub struct ManagedDrive {
 }
 
 impl ManagedDrive {
+    /// The drive's image now.
+    pub fn image(&self) -> super::permit::ImageRef {
+        lock(&self.image).clone()
+    }
+
+    /// The drive's image from now on (QEMU pivoted to it; resolved as QEMU's user).
+    pub fn set_image(&self, image: super::permit::ImageRef) {
+        *lock(&self.image) = image;
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         spec: DriveSpec,
@@ -141,8 +153,9 @@ impl ManagedDrive {
         graph: GraphRecord,
     ) -> Self {
         ManagedDrive {
+            node: Mutex::new(spec.node_name().to_string()),
             spec,
-            image,
+            image: Mutex::new(image),
             socket,
             drive,
             server: Mutex::new(Some(server)),
@@ -170,8 +183,13 @@ impl ManagedDrive {
     }
 
     /// QEMU's node-name of the drive's image.
-    pub fn node(&self) -> &str {
-        self.spec.node_name()
+    pub fn node(&self) -> String {
+        lock(&self.node).clone()
+    }
+
+    /// The drive's node from now on (QEMU pivoted the device to it and removed the old one).
+    pub fn set_node(&self, node: String) {
+        *lock(&self.node) = node;
     }
 
     /// The throttle group acceld's filter uses now.

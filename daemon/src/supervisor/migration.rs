@@ -100,7 +100,7 @@ impl Supervisor {
         if !exports.iter().any(|e| e.id == name) {
             qmp_run(
                 &qmp,
-                &BlockExportAdd::nbd(&name, d.node(), true, Some(&self.cfg.iothread))
+                &BlockExportAdd::nbd(&name, &d.node(), true, Some(&self.cfg.iothread))
                     .nbd_named(&name),
             )
             .await?;

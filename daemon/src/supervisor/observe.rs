@@ -59,7 +59,20 @@ pub(super) async fn snapshot(qmp: &Qmp) -> Result<QemuSnapshot, SupError> {
 pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
     if let Some(n) = served_node(d.id(), snap) {
         let mut g = lock(&d.graph);
-        let data = (n != d.node()).then_some(n);
+        let mut data = (n != d.node()).then_some(n);
+        // A pivot (blockcopy, `blockdev-mirror` + `job-complete`): QEMU moved the device and
+        // acceld's export onto the job's target, and management removed the drive's old
+        // node. The drive follows: the target is its node from now on, judged by the policy
+        // as any other (direct again if it is a raw file QEMU's user may open).
+        let gone = !snap.nodes.iter().any(|x| x.name == d.node());
+        if let (Some(to), true, false) = (&data, gone, g.nodes_removed) {
+            if let Some(n) = d.log.admit() {
+                tracing::info!(drive = d.id(), from = %d.node(), to = %to, "the drive's node is now QEMU's pivot target{}", crate::util::suppressed(n));
+            }
+            d.set_node(to.clone());
+            g.recorded = None;
+            data = None;
+        }
         if g.data_node != data {
             // Management's graph changes cause these: budgeted with the drive's other lines.
             if let Some(n) = d.log.admit() {
@@ -82,6 +95,7 @@ pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
     };
     let id = d.id();
     let node = d.node();
+    let node = node.as_str();
     let present = snap.nodes.iter().any(|n| n.name == node);
     {
         let g = lock(&d.graph);

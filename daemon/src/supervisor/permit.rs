@@ -101,6 +101,188 @@ impl ImageRef {
     }
 }
 
+/// What a process may open, as far as acceld mirrors it: its filesystem ids, its
+/// supplementary groups and its effective capabilities.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Creds {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+    pub cap_eff: u64,
+}
+
+impl Creds {
+    /// A permit's owner: its ids, no groups, no capabilities.
+    pub fn of_owner(o: Owner) -> Creds {
+        Creds {
+            uid: o.uid,
+            gid: o.gid,
+            groups: Vec::new(),
+            cap_eff: 0,
+        }
+    }
+
+    /// A process's, from `/proc/PID/status` (the filesystem uid and gid, `Groups:`,
+    /// `CapEff:`).
+    pub fn of_process(pid: i32) -> std::io::Result<Creds> {
+        Creds::parse(&std::fs::read_to_string(format!("/proc/{pid}/status"))?).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("/proc/{pid}/status has no Uid, Gid, Groups or CapEff line"),
+            )
+        })
+    }
+
+    /// Parses a `/proc/PID/status` text.
+    pub fn parse(status: &str) -> Option<Creds> {
+        let field = |k: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(k).map(str::trim))
+        };
+        // Uid: real effective saved filesystem.
+        let fs_id = |k: &str| field(k)?.split_whitespace().nth(3)?.parse().ok();
+        let groups = field("Groups:")?
+            .split_whitespace()
+            .map(str::parse)
+            .collect::<Result<Vec<u32>, _>>()
+            .ok()?;
+        Some(Creds {
+            uid: fs_id("Uid:")?,
+            gid: fs_id("Gid:")?,
+            groups,
+            cap_eff: u64::from_str_radix(field("CapEff:")?, 16).ok()?,
+        })
+    }
+}
+
+impl ImageRef {
+    /// Resolves `path` as a process with `who`'s credentials could open it (read-write unless
+    /// `read_only`): on a thread of its own whose filesystem ids, supplementary groups and
+    /// effective capabilities are `who`'s (Linux keeps all three per thread). The file must
+    /// be a regular file or a block device; its identity and canonical path are those of the
+    /// descriptor that open gave, so acceld's later open (as root, by that path, identity
+    /// checked) reaches that file or none.
+    ///
+    /// This is how a drive takes a new image that QEMU names after a pivot (blockcopy,
+    /// `blockdev-mirror`): QEMU, or its user, can only name a file QEMU could open itself.
+    pub fn resolve_as(path: &Path, who: Creds, read_only: bool) -> Result<ImageRef, SupError> {
+        let path = path.to_path_buf();
+        std::thread::Builder::new()
+            .name("acceld-open-as".into())
+            .spawn(move || open_as(&path, &who, read_only))
+            .map_err(|source| SupError::Io {
+                what: "cannot start a thread to open an image".into(),
+                source,
+            })?
+            .join()
+            .unwrap_or_else(|_| Err(SupError::Invalid("the image open panicked".into())))
+    }
+}
+
+/// `struct __user_cap_header_struct` (capget(2), version 3).
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+/// `struct __user_cap_data_struct`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const CAP_VERSION_3: u32 = 0x2008_0522;
+
+/// Takes `who`'s credentials on this thread (for good: the caller's thread ends after).
+fn become_thread(who: &Creds) -> std::io::Result<()> {
+    let err = std::io::Error::last_os_error;
+    // SAFETY: setgroups as a raw syscall changes this thread's supplementary groups only
+    // (glibc's wrapper would change every thread's); it reads `len` gids from a live slice.
+    let r = unsafe { libc::syscall(libc::SYS_setgroups, who.groups.len(), who.groups.as_ptr()) };
+    if r != 0 {
+        return Err(err());
+    }
+    // SAFETY: setfsgid and setfsuid change this thread's filesystem ids; they take an id and
+    // return the previous one, touching no memory.
+    unsafe { libc::setfsgid(who.gid) };
+    // SAFETY: as above.
+    unsafe { libc::setfsuid(who.uid) };
+    // Both answer the id in force to an invalid one (which changes nothing): check they took.
+    // SAFETY: as above.
+    let uid = unsafe { libc::setfsuid(u32::MAX) } as u32;
+    // SAFETY: as above.
+    let gid = unsafe { libc::setfsgid(u32::MAX) } as u32;
+    if (uid, gid) != (who.uid, who.gid) {
+        return Err(std::io::Error::other(format!(
+            "the filesystem ids stayed {uid}:{gid}"
+        )));
+    }
+    // The effective capabilities: `who`'s, within what this thread may have.
+    let mut h = CapHeader {
+        version: CAP_VERSION_3,
+        pid: 0,
+    };
+    let mut d = [CapData::default(); 2];
+    // SAFETY: capget writes two cap data structs (version 3) into `d` and reads `h`.
+    let r = unsafe { libc::syscall(libc::SYS_capget, &mut h as *mut CapHeader, d.as_mut_ptr()) };
+    if r != 0 {
+        return Err(err());
+    }
+    for (i, c) in d.iter_mut().enumerate() {
+        c.effective = (who.cap_eff >> (32 * i)) as u32 & c.permitted;
+    }
+    // SAFETY: capset reads the header and two cap data structs; it changes this thread's
+    // capabilities only.
+    let r = unsafe { libc::syscall(libc::SYS_capset, &mut h as *mut CapHeader, d.as_ptr()) };
+    if r != 0 {
+        return Err(err());
+    }
+    Ok(())
+}
+
+/// [`ImageRef::resolve_as`], on its own thread (its credentials change for good).
+fn open_as(path: &Path, who: &Creds, read_only: bool) -> Result<ImageRef, SupError> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let io = |what: &str, source| SupError::Io {
+        what: format!("{what} {}", path.display()),
+        source,
+    };
+    become_thread(who).map_err(|e| {
+        io(
+            &format!("cannot take uid {} gid {} to open", who.uid, who.gid),
+            e,
+        )
+    })?;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        // No FIFO blocks the open, no tty becomes acceld's.
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| io(&format!("uid {} gid {} cannot open", who.uid, who.gid), e))?;
+    let m = f.metadata().map_err(|e| io("cannot stat", e))?;
+    if !(m.file_type().is_file() || m.file_type().is_block_device()) {
+        return Err(SupError::Denied(format!(
+            "{} is neither a regular file nor a block device",
+            path.display()
+        )));
+    }
+    let real = std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd()))
+        .map_err(|e| io("cannot resolve", e))?;
+    Ok(ImageRef {
+        path: real,
+        id: ImageId::of(&m),
+        read_only,
+        format: None,
+    })
+}
+
 /// The file QEMU names for a drive going direct must be the drive's registered image (the
 /// same device and inode, as QEMU opened it: links followed): QEMU, or its user, could name
 /// any file. acceld then opens the registered path itself, never QEMU's.
@@ -330,5 +512,100 @@ impl Supervisor {
             d.image = real;
         }
         Ok(p.owner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    const NOBODY: u32 = 65534;
+
+    #[test]
+    fn creds_come_from_the_status_file_of_a_process() {
+        let st = "Name:\tqemu\nUid:\t64055\t64055\t64055\t64056\nGid:\t994\t994\t994\t995\n\
+                  Groups:\t108 994 \nCapEff:\t0000000000000002\n";
+        assert_eq!(
+            Creds::parse(st),
+            Some(Creds {
+                uid: 64056,
+                gid: 995,
+                groups: vec![108, 994],
+                cap_eff: 2,
+            })
+        );
+        assert_eq!(Creds::parse("Uid:\t1\t1\t1\t1\n"), None);
+        let me = Creds::of_process(std::process::id() as i32).unwrap();
+        // SAFETY: getuid reads this process's uid.
+        assert_eq!(me.uid, unsafe { libc::geteuid() });
+    }
+
+    fn file(dir: &Path, name: &str, owner: u32, mode: u32) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, b"x").unwrap();
+        std::os::unix::fs::chown(&p, Some(owner), Some(owner)).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        p
+    }
+
+    /// What QEMU names after a pivot is opened with QEMU's credentials: its user's files
+    /// only; root without capabilities (libvirt's default for a root QEMU) not another user's
+    /// private file; no FIFO holds the open; a link to a file QEMU may not open gets nothing.
+    #[test]
+    fn a_pivot_target_is_opened_with_qemus_credentials_only() {
+        // SAFETY: geteuid reads this process's uid.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("needs root (CI runs as root)");
+            return;
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("accel-pivot")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let nobody = Creds::of_owner(Owner {
+            uid: NOBODY,
+            gid: NOBODY,
+        });
+        let theirs = file(dir.path(), "theirs.raw", NOBODY, 0o600);
+        let roots = file(dir.path(), "roots.raw", 0, 0o600);
+        let r = ImageRef::resolve_as(&theirs, nobody.clone(), false).unwrap();
+        assert_eq!(r.path, theirs);
+        assert_eq!(r.id, ImageId::of_path(&theirs).unwrap());
+        let e = ImageRef::resolve_as(&roots, nobody.clone(), false).unwrap_err();
+        assert!(e.to_string().contains("cannot open"), "{e}");
+        let link = dir.path().join("link.raw");
+        std::os::unix::fs::symlink(&roots, &link).unwrap();
+        assert!(ImageRef::resolve_as(&link, nobody.clone(), true).is_err());
+        // Read-only is asked for as such: a file they may only read.
+        let ro = file(dir.path(), "ro.raw", NOBODY, 0o400);
+        assert!(ImageRef::resolve_as(&ro, nobody.clone(), false).is_err());
+        assert!(ImageRef::resolve_as(&ro, nobody, true).unwrap().read_only);
+        // Root without capabilities may not open another user's private file; with them, it
+        // may (what a root QEMU with its capabilities could do itself).
+        let bare_root = Creds {
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
+            cap_eff: 0,
+        };
+        assert!(ImageRef::resolve_as(&theirs, bare_root, false).is_err());
+        let root = Creds::of_process(std::process::id() as i32).unwrap();
+        assert!(ImageRef::resolve_as(&theirs, root.clone(), false).is_ok());
+        // A FIFO: refused at once (no writer needed), not waited on.
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo reads the NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+        let t0 = std::time::Instant::now();
+        let e = ImageRef::resolve_as(&fifo, root, true).unwrap_err();
+        assert!(e.to_string().contains("neither a regular file"), "{e}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+        // The calling thread kept its own credentials.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&roots)
+            .unwrap();
     }
 }

@@ -140,7 +140,7 @@ impl Supervisor {
             let nodes = qmp_run(qmp, &QueryNamedBlockNodes::default()).await?;
             let inactive = nodes
                 .iter()
-                .any(|n| n["node-name"].as_str() == Some(node) && n["active"] == false);
+                .any(|n| n["node-name"].as_str() == Some(node.as_str()) && n["active"] == false);
             if inactive {
                 qmp_run(
                     qmp,

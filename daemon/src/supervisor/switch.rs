@@ -95,6 +95,73 @@ impl Supervisor {
         }
     }
 
+    /// QEMU's node names another file than the drive's image: QEMU pivoted to it (`virsh
+    /// blockcopy --pivot`, `blockdev-mirror` then `job-complete`). The drive takes it if the
+    /// user QEMU runs as may open it itself (the permit's owner, else the process serving
+    /// QEMU's QMP socket, its ids, groups and capabilities as they are now): opened with
+    /// those credentials, never beyond what QEMU could reach on its own. Anything else is refused and the drive stays
+    /// on QEMU's block layer.
+    async fn take_pivoted_image(
+        &self,
+        vm: &Arc<Vm>,
+        d: &Arc<ManagedDrive>,
+        qmp: &Arc<Qmp>,
+        old: &super::permit::ImageRef,
+        spec: &policy::ServeSpec,
+    ) -> Result<(), SupError> {
+        // The permit's owner; else QEMU's process as it is now (the QMP socket's creator,
+        // alive while acceld's connection is: its pid is not reused). QEMU may have
+        // dropped its ids or capabilities after making the socket.
+        let who = match (vm.owner, qmp.peer_pid()) {
+            (Some(o), _) => super::permit::Creds::of_owner(o),
+            (None, Some(pid)) => super::permit::Creds::of_process(pid).map_err(|e| {
+                SupError::Denied(format!(
+                    "QEMU names {} for the direct engine, not the drive's image {}, and its credentials are unknown: {e}",
+                    spec.image.display(),
+                    old.path.display()
+                ))
+            })?,
+            (None, None) => {
+                return Err(SupError::Denied(format!(
+                    "QEMU names {} for the direct engine, not the drive's image {}, and its process is unknown",
+                    spec.image.display(),
+                    old.path.display()
+                )))
+            }
+        };
+        let (uid, gid) = (who.uid, who.gid);
+        let path = spec.image.clone();
+        let read_only = d.spec.read_only || spec.read_only || old.read_only;
+        let new = offload::blocking_within(Duration::from_secs(15), move || {
+            super::permit::ImageRef::resolve_as(&path, who, read_only)
+        })
+        .await
+        .unwrap_or_else(|| {
+            Err(SupError::Invalid(
+                "the open did not return within 15 s".into(),
+            ))
+        })
+        .map_err(|e| {
+            SupError::Denied(format!(
+                "QEMU names {} for the direct engine, not the drive's image {}: {}",
+                spec.image.display(),
+                old.path.display(),
+                e.chain()
+            ))
+        })?;
+        info!(
+            vm = %vm.name,
+            drive = %d.spec.id,
+            "the drive's image is now {} (QEMU pivoted from {}; opened as uid {} gid {})",
+            new.path.display(),
+            old.path.display(),
+            uid,
+            gid
+        );
+        d.set_image(new);
+        Ok(())
+    }
+
     async fn transition(
         &self,
         vm: &Arc<Vm>,
@@ -107,7 +174,10 @@ impl Supervisor {
         // Lent rings come back, and stay, until the drive is on the qemu engine again.
         d.stop_lending().await;
         if let Target::Direct(spec) = &to {
-            super::permit::check_qemu_image(&d.image, &spec.image)?;
+            let image = d.image();
+            if super::permit::check_qemu_image(&image, &spec.image).is_err() {
+                self.take_pivoted_image(vm, d, qmp, &image, spec).await?;
+            }
         }
         // From direct to the qemu engine, everything but the hand-over happens before the
         // pause: QEMU's nodes, its export (acceld's lock shares write meanwhile; QEMU writes
@@ -126,7 +196,7 @@ impl Supervisor {
                 }
             },
             (Target::Direct(spec), EngineKind::Qemu) => {
-                let cfg = file_config(&d.spec, &d.image, spec);
+                let cfg = file_config(&d.spec, &d.image(), spec);
                 match offload::blocking(move || FileEngine::open_sharing_write(cfg)).await {
                     Ok(e) if e.size() >= d.drive.capacity() => Some(Arc::new(e) as Arc<dyn Engine>),
                     // The usual path then says why (and restores what it must).
@@ -440,7 +510,7 @@ impl Supervisor {
                 let t_down = t0.elapsed();
                 self.remove_nodes(d, qmp).await?;
                 let t_nodes = t0.elapsed();
-                let opened = FileEngine::open(file_config(&d.spec, &d.image, spec));
+                let opened = FileEngine::open(file_config(&d.spec, &d.image(), spec));
                 debug!(drive = %d.spec.id, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, open_us = (t0.elapsed() - t_nodes).as_micros() as u64, "bring-up steps (direct)");
                 let e = match opened {
                     Ok(e) if e.size() >= d.drive.capacity() => e,
@@ -511,7 +581,7 @@ impl Supervisor {
         }
         let out = resize().await;
         let was = d.drive.capacity();
-        let size = node_size(&qmp, d.node()).await;
+        let size = node_size(&qmp, &d.node()).await;
         let now = match size {
             Ok(s) if s != was => Some(d.drive.set_capacity(s)),
             Ok(_) => None,

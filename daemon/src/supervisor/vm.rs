@@ -134,7 +134,7 @@ impl Vm {
                         recorded: g.recorded.clone(),
                         pin: if i.pin_persistent { i.pin } else { None },
                         throttle: i.throttle.clone(),
-                        image: Some(d.image.clone()),
+                        image: Some(d.image()),
                     }
                 })
                 .collect(),
