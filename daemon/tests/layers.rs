@@ -54,16 +54,6 @@ const ALLOWED_CIRCLES: &[(&str, &[&str])] = &[
     (
         "accel_dataplane",
         &[
-            "engine/file/image_lock.rs",
-            "engine/file/inline.rs",
-            "engine/file/mod.rs",
-            "engine/file/uring.rs",
-            "engine/mod.rs",
-        ],
-    ),
-    (
-        "accel_dataplane",
-        &[
             "engine/nbd/handshake.rs",
             "engine/nbd/mod.rs",
             "engine/nbd/queue.rs",
