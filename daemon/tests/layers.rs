@@ -45,15 +45,6 @@ const ALLOWED_CIRCLES: &[(&str, &[&str])] = &[
     (
         "accel_dataplane",
         &[
-            "drive/lend/mod.rs",
-            "drive/mod.rs",
-            "drive/queue_ctl.rs",
-            "drive/switch.rs",
-        ],
-    ),
-    (
-        "accel_dataplane",
-        &[
             "engine/nbd/handshake.rs",
             "engine/nbd/mod.rs",
             "engine/nbd/queue.rs",
