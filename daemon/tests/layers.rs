@@ -43,16 +43,6 @@ const ACCELD_LAYERS: &[&[&str]] = &[&["supervisor"], &["qmp_proxy"], &["run", "s
 const ALLOWED_CIRCLES: &[(&str, &[&str])] = &[
     // To be broken by moving shared types (the next commits).
     (
-        "accel_dataplane",
-        &[
-            "engine/nbd/handshake.rs",
-            "engine/nbd/mod.rs",
-            "engine/nbd/queue.rs",
-            "engine/nbd/reader.rs",
-            "engine/nbd/reply.rs",
-        ],
-    ),
-    (
         "acceld",
         &[
             "qmp_proxy/hold.rs",
