@@ -742,6 +742,7 @@ fn crates() -> [Crate; 2] {
 
 #[test]
 fn no_module_uses_a_layer_above_it() {
+    let mut violations = Vec::new();
     for c in crates() {
         let files = read_crate(&c.src);
         assert!(
@@ -765,14 +766,15 @@ fn no_module_uses_a_layer_above_it() {
                 c.name
             );
         }
-        let v = layer_violations(&files, c.layers);
-        assert!(
-            v.is_empty(),
-            "{}: imports from the same or a higher layer:\n{}",
-            c.name,
-            v.join("\n")
-        );
+        for v in layer_violations(&files, c.layers) {
+            violations.push(format!("{}: {v}", c.name));
+        }
     }
+    assert!(
+        violations.is_empty(),
+        "imports from the same or a higher layer:\n{}",
+        violations.join("\n")
+    );
 }
 
 #[test]
