@@ -7,11 +7,11 @@ use clap::{Args, ValueEnum};
 use thiserror::Error;
 use tracing::info;
 
-use crate::drive::DEFAULT_POLL_US;
-use crate::drive::{DiscardMode, Drive, DriveConfig, DriveConfigError, ErrorPolicy};
-use crate::engine::nbd::{NbdEngine, NbdError};
-use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
-use crate::vhost::{ServeError, Server, ShutdownHandle};
+use accel_dataplane::drive::DEFAULT_POLL_US;
+use accel_dataplane::drive::{DiscardMode, Drive, DriveConfig, DriveConfigError, ErrorPolicy};
+use accel_dataplane::engine::nbd::{NbdEngine, NbdError};
+use accel_dataplane::engine::{Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
+use accel_dataplane::vhost::{ServeError, Server, ShutdownHandle};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OnOff {
@@ -207,7 +207,7 @@ impl ServeArgs {
             werror: self.werror,
             rerror: self.rerror,
             // A standalone server: QEMU's vhost-user-blk export's device, as before.
-            model: crate::drive::DeviceModel::Export,
+            model: accel_dataplane::drive::DeviceModel::Export,
         }
         .checked()
         .map_err(|e| match e {
@@ -223,7 +223,7 @@ impl ServeArgs {
 /// Runs `acceld serve` until SIGTERM or SIGINT, then drains and exits.
 pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
     // A live server on the socket is the clearer error; check it before the image lock.
-    if crate::util::socket_listening(&args.socket) {
+    if accel_dataplane::util::socket_listening(&args.socket) {
         return Err(ServeError::SocketInUse(args.socket.clone()).into());
     }
     let drive = args.build()?;
@@ -270,7 +270,9 @@ fn install_signals(stop: ShutdownHandle, bound: std::time::Duration) -> Result<(
                     bound_ms = bound.as_millis() as u64,
                     "shutting down"
                 );
-                crate::drive::queue_ctl::abandon_drains_at(std::time::Instant::now() + bound);
+                accel_dataplane::drive::queue_ctl::abandon_drains_at(
+                    std::time::Instant::now() + bound,
+                );
                 stop.shutdown();
             }
         })

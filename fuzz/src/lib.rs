@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use acceld::engine::nbd::reply::{self, Chunk, ReplyHeader};
-use acceld::virtio_blk::{self, Desc, DiskGeometry, DwzSegment, Header, Layout, Op};
+use accel_dataplane::engine::nbd::reply::{self, Chunk, ReplyHeader};
+use accel_dataplane::virtio_blk::{self, Desc, DiskGeometry, DwzSegment, Header, Layout, Op};
 
 /// A fuzz target: any bytes in, no panic out.
 pub type Target = fn(&[u8]);
@@ -75,9 +75,9 @@ pub fn virtio_blk(data: &[u8]) {
         block_size: if i.u8() & 1 == 0 { 512 } else { 4096 },
         read_only: i.u8() & 1 == 1,
         model: if i.u8() & 1 == 0 {
-            acceld::virtio_blk::DeviceModel::Export
+            accel_dataplane::virtio_blk::DeviceModel::Export
         } else {
-            acceld::virtio_blk::DeviceModel::VirtioBlk
+            accel_dataplane::virtio_blk::DeviceModel::VirtioBlk
         },
     };
     let mut hb = [0u8; 16];
@@ -214,7 +214,7 @@ const MEM: usize = 1 << 20;
 const DISK: u64 = 4 << 20;
 
 struct VhostWorld {
-    engine: Arc<dyn acceld::engine::Engine>,
+    engine: Arc<dyn accel_dataplane::engine::Engine>,
     memfd: File,
     map: usize,
 }
@@ -229,7 +229,7 @@ unsafe impl Send for VhostWorld {}
 /// `memory-backend-memfd` is) or not.
 fn memfd(name: &std::ffi::CStr, len: u64, sealed: bool) -> Option<File> {
     let seals = sealed.then_some(libc::F_SEAL_SHRINK | libc::F_SEAL_GROW);
-    acceld::util::memfd(name, len, seals).ok()
+    accel_dataplane::util::memfd(name, len, seals).ok()
 }
 
 fn vhost_world() -> &'static VhostWorld {
@@ -241,10 +241,10 @@ fn vhost_world() -> &'static VhostWorld {
         File::create(&image)
             .and_then(|f| f.set_len(DISK))
             .expect("image");
-        let mut cfg = acceld::engine::FileEngineConfig::new(image, false, false, 512);
-        cfg.io = acceld::engine::IoMode::Inline;
+        let mut cfg = accel_dataplane::engine::FileEngineConfig::new(image, false, false, 512);
+        cfg.io = accel_dataplane::engine::IoMode::Inline;
         cfg.lock = false;
-        let engine = Arc::new(acceld::engine::FileEngine::open(cfg).expect("engine"));
+        let engine = Arc::new(accel_dataplane::engine::FileEngine::open(cfg).expect("engine"));
         // Sealed: a front-end that is not root may pass it too.
         let memfd = memfd(c"accel-fuzz", MEM as u64, true).expect("memfd");
         use std::os::fd::AsRawFd;
@@ -475,15 +475,15 @@ struct Peer {
     fe: std::os::unix::net::UnixStream,
     /// The back-end's end, to see whether a message waits (never read here).
     be: std::os::unix::net::UnixStream,
-    session: acceld::vhost::Session,
+    session: accel_dataplane::vhost::Session,
 }
 
 impl Peer {
-    fn new(drive: &Arc<acceld::drive::Drive>, untrusted: bool) -> Option<Peer> {
+    fn new(drive: &Arc<accel_dataplane::drive::Drive>, untrusted: bool) -> Option<Peer> {
         let (fe, be) = std::os::unix::net::UnixStream::pair().ok()?;
         let peek = be.try_clone().ok()?;
         // Short waits for the rest of a message: the input can send half of one.
-        let mut session = acceld::vhost::Session::from_stream(
+        let mut session = accel_dataplane::vhost::Session::from_stream(
             be,
             drive.clone(),
             std::time::Duration::from_millis(2),
@@ -522,7 +522,7 @@ pub fn vhost_user(data: &[u8]) {
     unsafe { std::ptr::write_bytes(w.map as *mut u8, 0, MEM) };
     let fds_before = open_fds();
     {
-        let cfg = acceld::drive::DriveConfig {
+        let cfg = accel_dataplane::drive::DriveConfig {
             name: "fuzz".into(),
             serial: "fuzz".into(),
             capacity_bytes: DISK,
@@ -530,13 +530,13 @@ pub fn vhost_user(data: &[u8]) {
             read_only: false,
             num_queues: 2,
             queue_size: 256,
-            discard: acceld::drive::DiscardMode::Unmap,
+            discard: accel_dataplane::drive::DiscardMode::Unmap,
             poll_us: 0,
-            werror: acceld::drive::ErrorPolicy::Enospc,
-            rerror: acceld::drive::ErrorPolicy::Report,
-            model: acceld::drive::DeviceModel::Export,
+            werror: accel_dataplane::drive::ErrorPolicy::Enospc,
+            rerror: accel_dataplane::drive::ErrorPolicy::Report,
+            model: accel_dataplane::drive::DeviceModel::Export,
         };
-        let drive = acceld::drive::Drive::new(cfg, w.engine.clone());
+        let drive = accel_dataplane::drive::Drive::new(cfg, w.engine.clone());
         let mut i = Input { b: data };
         // A front-end that is not root must pass sealed memory.
         let untrusted = i.u8() & 1 == 1;
@@ -558,7 +558,7 @@ pub fn vhost_user(data: &[u8]) {
             // SAFETY: into_raw_fd gives up ownership, which the OwnedFd takes once.
             unsafe { OwnedFd::from_raw_fd(e.into_raw_fd()) }
         };
-        let features = acceld::vhost::virtio_features(drive.config());
+        let features = accel_dataplane::vhost::virtio_features(drive.config());
         let (mut steps, mut connections) = (0, 1);
         // Whether every message so far was sent whole and as framed (a raw message may leave
         // bytes that the next read takes as a header).
@@ -757,10 +757,13 @@ pub fn vhost_user(data: &[u8]) {
                 p.session
                     .serve_next(std::os::fd::AsRawFd::as_raw_fd(&never))
             } else {
-                acceld::vhost::Served::Closed
+                accel_dataplane::vhost::Served::Closed
             };
             let replies = drain(&p.fe);
-            if framed && code == 24 && served == acceld::vhost::Served::Next && replies.len() >= 24
+            if framed
+                && code == 24
+                && served == accel_dataplane::vhost::Served::Next
+                && replies.len() >= 24
             {
                 // GET_CONFIG answers the size asked (offset + size within the 256 bytes of
                 // config space always is) or, refusing, nothing.
@@ -772,7 +775,7 @@ pub fn vhost_user(data: &[u8]) {
                     assert_eq!(got, asked, "GET_CONFIG answers the size asked");
                 }
             }
-            if served == acceld::vhost::Served::Closed {
+            if served == accel_dataplane::vhost::Served::Closed {
                 // Dropping the session drains and stops every queue, as a disconnect does;
                 // then QEMU reconnects.
                 peer = None;

@@ -4,9 +4,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use acceld::drive::{DiscardMode, Drive, DriveConfig, ErrorPolicy};
-use acceld::engine::{Engine, FileEngine, FileEngineConfig, IoMode};
-use acceld::vhost::{Server, ShutdownHandle};
+use accel_dataplane::drive::{DiscardMode, Drive, DriveConfig, ErrorPolicy};
+use accel_dataplane::engine::{Engine, FileEngine, FileEngineConfig, IoMode};
+use accel_dataplane::vhost::{Server, ShutdownHandle};
 
 #[derive(Clone)]
 pub struct ServerOptions {
@@ -27,7 +27,7 @@ pub struct ServerOptions {
     pub werror: ErrorPolicy,
     pub rerror: ErrorPolicy,
     /// Whose device the guest sees (the protocol and parity tests: QEMU's export's).
-    pub model: acceld::drive::DeviceModel,
+    pub model: accel_dataplane::drive::DeviceModel,
 }
 
 impl ServerOptions {
@@ -84,7 +84,7 @@ impl Default for ServerOptions {
             name: "test".into(),
             werror: ErrorPolicy::Enospc,
             rerror: ErrorPolicy::Report,
-            model: acceld::drive::DeviceModel::Export,
+            model: accel_dataplane::drive::DeviceModel::Export,
         }
     }
 }

@@ -21,7 +21,7 @@ use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-pub use acceld::virtio_blk::{
+pub use accel_dataplane::virtio_blk::{
     S_IOERR, S_OK, S_UNSUPP, T_DISCARD, T_FLUSH, T_GET_ID, T_IN, T_OUT, T_WRITE_ZEROES,
 };
 
@@ -98,7 +98,7 @@ impl GuestMem {
 
     fn make(size: usize, sealed: bool) -> io::Result<Self> {
         let seals = sealed.then_some(libc::F_SEAL_SHRINK | libc::F_SEAL_GROW);
-        let file = acceld::util::memfd(c"accel-guest", size as u64, seals)?;
+        let file = accel_dataplane::util::memfd(c"accel-guest", size as u64, seals)?;
         // SAFETY: a new shared mapping of our memfd; the result is checked.
         let ptr = unsafe {
             libc::mmap(

@@ -11,11 +11,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use accel_dataplane::drive::ErrorPolicy;
+use accel_dataplane::engine::IoMode;
 use accel_tests::harness::{ServerOptions, TestServer};
 use accel_tests::hostile_nbd::{Behaviour, HostileNbd};
 use accel_tests::{header, pattern, BlkFrontend, Buf, FrontendOptions, S_IOERR, S_OK, T_IN, T_OUT};
-use acceld::drive::ErrorPolicy;
-use acceld::engine::IoMode;
 
 struct Tmpfs {
     dir: PathBuf,
@@ -251,8 +251,9 @@ fn an_eio_reaches_the_guest_as_ioerr_and_is_counted() {
         .unwrap();
     let size = 8u64 << 20;
     let nbd = HostileNbd::start(&dir.path().join("nbd.sock"), size, Behaviour::Eio).unwrap();
-    let engine =
-        Arc::new(acceld::engine::nbd::NbdEngine::connect(&nbd.socket, &nbd.export).unwrap());
+    let engine = Arc::new(
+        accel_dataplane::engine::nbd::NbdEngine::connect(&nbd.socket, &nbd.export).unwrap(),
+    );
     let image: PathBuf = Path::new("/dev/null").into();
     let s = TestServer::serve_engine(dir, image, engine, size, &ServerOptions::default());
     let mut fe = connect(&s);

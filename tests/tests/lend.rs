@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use accel_dataplane::engine::nbd::NbdEngine;
+use accel_dataplane::engine::Engine;
 use accel_tests::harness::{Qsd, QsdOptions, ServerOptions, TestServer};
 use accel_tests::load::{fill_image, run_load, LoadSpec, SetOnDrop};
 use accel_tests::{BlkFrontend, FrontendOptions, S_OK, T_FLUSH, T_IN, T_OUT};
-use acceld::engine::nbd::NbdEngine;
-use acceld::engine::Engine;
 
 const BS: u64 = 4096;
 const SIZE: u64 = 32 << 20;
@@ -292,7 +292,10 @@ fn a_broken_or_lying_export_costs_nothing() {
             }
             _ => {
                 let e = r.expect_err("the lend must fail");
-                println!("refused as expected: {}", acceld::util::error_chain(&e));
+                println!(
+                    "refused as expected: {}",
+                    accel_dataplane::util::error_chain(&e)
+                );
             }
         }
         assert!(!s.drive.rings_lent());

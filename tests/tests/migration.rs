@@ -11,13 +11,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use accel_dataplane::engine::nbd::NbdEngine;
+use accel_dataplane::engine::{FileEngine, FileEngineConfig, IoMode};
 use accel_tests::harness::{QsdNbd, ServerOptions, TestServer};
 use accel_tests::{
     check_pattern, header, pattern, BlkFrontend, Buf, FrontendOptions, Used, S_OK, T_GET_ID, T_IN,
     T_OUT, VHOST_F_LOG_ALL,
 };
-use acceld::engine::nbd::NbdEngine;
-use acceld::engine::{FileEngine, FileEngineConfig, IoMode};
 
 const PAGE: u64 = 4096;
 const BLOCK: u64 = 4096;

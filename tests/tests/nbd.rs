@@ -6,14 +6,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use accel_dataplane::engine::nbd::NbdEngine;
+use accel_dataplane::engine::Engine;
 use accel_tests::harness::{file_engine, QsdNbd, ServerOptions, TestServer};
 use accel_tests::load::{fill_image, run_load, LoadSpec};
 use accel_tests::{
     dwz_segment, pattern, BlkFrontend, FrontendOptions, S_IOERR, S_OK, T_DISCARD, T_FLUSH, T_IN,
     T_OUT, T_WRITE_ZEROES,
 };
-use acceld::engine::nbd::NbdEngine;
-use acceld::engine::Engine;
 
 struct Setup {
     server: TestServer,

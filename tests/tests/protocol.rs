@@ -3,13 +3,13 @@
 
 use std::time::Duration;
 
+use accel_dataplane::drive::DiscardMode;
 use accel_tests::harness::{ServerOptions, TestServer};
 use accel_tests::{
     dwz_segment, header, pattern, BlkFrontend, Buf, FrontendOptions, S_IOERR, S_OK, S_UNSUPP,
     T_DISCARD, T_FLUSH, T_GET_ID, T_IN, T_OUT, T_WRITE_ZEROES, VHOST_F_LOG_ALL,
     VIRTIO_RING_F_EVENT_IDX,
 };
-use acceld::drive::DiscardMode;
 
 fn patterned(off: u64, seed: u64, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
@@ -527,7 +527,7 @@ fn a_resize_reaches_the_frontend_on_the_backend_channel() {
         .set_len(old * 2)
         .unwrap();
     assert_eq!(s.drive.set_capacity(old * 2), old * 2);
-    assert!(acceld::vhost::notify_config_change(&s.drive).unwrap());
+    assert!(accel_dataplane::vhost::notify_config_change(&s.drive).unwrap());
     mine.set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
     let mut hdr = [0u8; 12];

@@ -168,10 +168,10 @@ fn a_planted_socket_that_never_accepts_does_not_hold_bind() {
         .unwrap();
     let o = ServerOptions::default();
     let engine = accel_tests::harness::file_engine(&image, &o);
-    let drive = acceld::drive::Drive::new(o.drive_config(1 << 20), engine);
+    let drive = accel_dataplane::drive::Drive::new(o.drive_config(1 << 20), engine);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let r = acceld::vhost::Server::bind(&sock, drive).map(|_| ());
+        let r = accel_dataplane::vhost::Server::bind(&sock, drive).map(|_| ());
         let _ = tx.send(r.map_err(|e| e.to_string()));
     });
     let r = rx
@@ -530,7 +530,7 @@ fn out_of_descriptors_the_accept_loops_wait_instead_of_spinning() {
 /// up after 5 s, inside the handshake's 30 s, with a timeout error.
 #[test]
 fn a_planted_nbd_socket_that_never_accepts_fails_the_connect_in_time() {
-    use acceld::engine::nbd::{self, NbdEngine, NbdError};
+    use accel_dataplane::engine::nbd::{self, NbdEngine, NbdError};
     use std::time::Instant;
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("nbd.sock");
@@ -607,17 +607,18 @@ fn half_a_header_does_not_hold_the_drives_server() {
     let image = tempfile::NamedTempFile::new().unwrap();
     image.as_file().set_len(1 << 20).unwrap();
     let o = ServerOptions::default();
-    let drive = acceld::drive::Drive::new(
+    let drive = accel_dataplane::drive::Drive::new(
         o.drive_config(1 << 20),
         accel_tests::harness::file_engine(image.path(), &o),
     );
-    let mut session = acceld::vhost::Session::from_stream(be, drive, Duration::from_millis(300));
+    let mut session =
+        accel_dataplane::vhost::Session::from_stream(be, drive, Duration::from_millis(300));
     let never = vmm_sys_util::eventfd::EventFd::new(0).unwrap();
     (&fe).write_all(&[1, 0, 0, 0, 1, 0]).unwrap();
     let t0 = std::time::Instant::now();
     assert_eq!(
         session.serve_next(never.as_raw_fd()),
-        acceld::vhost::Served::Closed
+        accel_dataplane::vhost::Served::Closed
     );
     let took = t0.elapsed();
     assert!(

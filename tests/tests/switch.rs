@@ -5,11 +5,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use accel_dataplane::drive::Drive;
+use accel_dataplane::engine::{Engine, IoMode};
 use accel_tests::harness::{file_engine, ServerOptions, TestServer};
 use accel_tests::load::{fill_image, run_load, LoadReport, LoadSpec, SetOnDrop};
 use accel_tests::{BlkFrontend, FrontendOptions, S_OK, T_FLUSH};
-use acceld::drive::Drive;
-use acceld::engine::{Engine, IoMode};
 
 #[test]
 fn hundred_switches_under_qd32_verified_load() {
@@ -152,8 +152,8 @@ fn hundred_overlapped_switches_under_qd32_verified_load() {
 /// only then is the old engine drained. Both writes are on the image.
 #[test]
 fn an_overlapped_switch_leaves_a_held_request_on_the_old_engine() {
+    use accel_dataplane::engine::nbd::NbdEngine;
     use accel_tests::{header, Buf, Used, T_OUT};
-    use acceld::engine::nbd::NbdEngine;
     use std::os::unix::fs::FileExt;
     use std::os::unix::net::UnixListener;
     let s = TestServer::start(&ServerOptions {

@@ -127,7 +127,7 @@ pub async fn release(ctx: &Ctx, held: Held) {
         if let Some((prev, persistent)) = changed {
             if let Err(e) = ctx.sup.set_pin(&ctx.vm, &drive, prev, persistent).await {
                 if let Some(n) = ctx.shared.log.admit() {
-                    warn!(vm = %ctx.vm, drive, "QMP proxy: cannot release the drive: {}{}", e.chain(), crate::util::suppressed(n));
+                    warn!(vm = %ctx.vm, drive, "QMP proxy: cannot release the drive: {}{}", e.chain(), accel_dataplane::util::suppressed(n));
                 }
             }
         }

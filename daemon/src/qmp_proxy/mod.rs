@@ -29,7 +29,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tracing::{debug, info, warn};
 
 use crate::supervisor::Supervisor;
-use crate::util::LogLimit;
+use accel_dataplane::util::LogLimit;
 
 mod fds;
 mod hold;
@@ -106,7 +106,7 @@ pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
                 Ok((stream, _)) => {
                     let Ok(slot) = slots.clone().try_acquire_owned() else {
                         if let Some(k) = log.admit() {
-                            warn!(vm = %vm, "QMP proxy: more than {MAX_CLIENTS} clients: refusing one{}", crate::util::suppressed(k));
+                            warn!(vm = %vm, "QMP proxy: more than {MAX_CLIENTS} clients: refusing one{}", accel_dataplane::util::suppressed(k));
                         }
                         tokio::spawn(refuse(stream));
                         continue;
@@ -121,7 +121,7 @@ pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
                 }
                 Err(e) => {
                     if let Some(n) = log.admit() {
-                        warn!(vm = %vm, "QMP proxy accept: {e}{}", crate::util::suppressed(n));
+                        warn!(vm = %vm, "QMP proxy accept: {e}{}", accel_dataplane::util::suppressed(n));
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
@@ -302,7 +302,7 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
             }
             _ = w.killed() => {
                 if let Some(k) = log.admit() {
-                    warn!(vm = %vm, client = n, "QMP proxy client does not read its replies and events: dropped{}", crate::util::suppressed(k));
+                    warn!(vm = %vm, client = n, "QMP proxy client does not read its replies and events: dropped{}", accel_dataplane::util::suppressed(k));
                 }
                 break 'read;
             }
@@ -317,7 +317,7 @@ async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLim
                 message::Next::More => {
                     if framer.pending() > MAX_MESSAGE {
                         if let Some(k) = log.admit() {
-                            warn!(vm = %vm, client = n, "QMP message longer than {MAX_MESSAGE} bytes: closing{}", crate::util::suppressed(k));
+                            warn!(vm = %vm, client = n, "QMP message longer than {MAX_MESSAGE} bytes: closing{}", accel_dataplane::util::suppressed(k));
                         }
                         break 'read;
                     }
@@ -641,7 +641,7 @@ async fn forward_events(
                     handled.fetch_max(qmp.events_sent(), Ordering::Release);
                     if negotiated.load(Ordering::Acquire) {
                         if let Some(n) = log.admit() {
-                            warn!(vm = %vm, missed = k, "QMP proxy client fell behind QEMU's events{}", crate::util::suppressed(n));
+                            warn!(vm = %vm, missed = k, "QMP proxy client fell behind QEMU's events{}", accel_dataplane::util::suppressed(n));
                         }
                         w.kill();
                         return;
@@ -679,7 +679,7 @@ async fn forward_one(
             .await
         {
             if let Some(k) = log.admit() {
-                warn!(vm = %vm, "pre-switchover: acceld's part did not finish in 30 s; passing the event on{}", crate::util::suppressed(k));
+                warn!(vm = %vm, "pre-switchover: acceld's part did not finish in 30 s; passing the event on{}", accel_dataplane::util::suppressed(k));
             }
         }
     }

@@ -207,7 +207,7 @@ pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
         }
     };
     if let Some(n) = ctx.shared.log.admit() {
-        info!(vm = %ctx.vm, ?unix_path, "management's NBD server starts (piped to QEMU's server){}", crate::util::suppressed(n));
+        info!(vm = %ctx.vm, ?unix_path, "management's NBD server starts (piped to QEMU's server){}", accel_dataplane::util::suppressed(n));
     }
     let task = tokio::spawn(serve(listener, upstream, max));
     *guard = Some(Server {
@@ -305,7 +305,7 @@ pub async fn stop(ctx: &Ctx) -> Reply {
         }
     }
     if let Some(n) = ctx.shared.log.admit() {
-        info!(vm = %ctx.vm, "management's NBD server stopped{}", crate::util::suppressed(n));
+        info!(vm = %ctx.vm, "management's NBD server stopped{}", accel_dataplane::util::suppressed(n));
     }
     Ok(json!({}))
 }

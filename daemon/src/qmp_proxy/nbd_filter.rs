@@ -13,7 +13,7 @@
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::engine::nbd::proto::{
+use accel_dataplane::engine::nbd::proto::{
     IHAVEOPT, NBDMAGIC, OPT_ABORT, OPT_EXPORT_NAME, OPT_GO, OPT_INFO, OPT_LIST,
     OPT_LIST_META_CONTEXT, OPT_REPLY_MAGIC, OPT_SET_META_CONTEXT, OPT_STARTTLS, REP_ACK,
     REP_ERR_INVALID, REP_ERR_POLICY, REP_ERR_TOO_BIG, REP_ERR_UNKNOWN, REP_INFO, REP_META_CONTEXT,

@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use crate::control::{ErrorKind, Reply, Request};
 use crate::supervisor::offload::blocking;
 use crate::supervisor::{Owner, SupError, Supervisor};
-use crate::util::LogLimit;
+use accel_dataplane::util::LogLimit;
 
 /// Which socket a client came on.
 #[derive(Clone, Debug)]
@@ -277,19 +277,19 @@ async fn serve_vm_socket_loop(sup: Arc<Supervisor>, vm: String, generation: u64,
                         }
                         Ok(c) => {
                             if let Some(n) = log.admit() {
-                                warn!(vm = %vm, uid = c.uid(), "VM control socket: refused a client of another user{}", crate::util::suppressed(n));
+                                warn!(vm = %vm, uid = c.uid(), "VM control socket: refused a client of another user{}", accel_dataplane::util::suppressed(n));
                             }
                         }
                         Err(e) => {
                             if let Some(n) = log.admit() {
-                                warn!(vm = %vm, "VM control socket: no peer credentials: {e}{}", crate::util::suppressed(n));
+                                warn!(vm = %vm, "VM control socket: no peer credentials: {e}{}", accel_dataplane::util::suppressed(n));
                             }
                         }
                     }
                 }
                 Err(e) => {
                     if let Some(n) = log.admit() {
-                        warn!(vm = %vm, "VM control socket accept: {e}{}", crate::util::suppressed(n));
+                        warn!(vm = %vm, "VM control socket accept: {e}{}", accel_dataplane::util::suppressed(n));
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }

@@ -66,7 +66,8 @@ pub enum RunError {
 /// How long the control socket's accept loop waits after a failed accept.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 /// Failed accepts of the control socket logged (5 per 10 s).
-static ACCEPT_LOG: crate::util::LogLimit = crate::util::LogLimit::new(5, Duration::from_secs(10));
+static ACCEPT_LOG: accel_dataplane::util::LogLimit =
+    accel_dataplane::util::LogLimit::new(5, Duration::from_secs(10));
 
 pub fn load_config(args: &RunArgs) -> Result<Config, RunError> {
     let mut cfg = match &args.config {
@@ -121,7 +122,7 @@ async fn run_async(cfg: Config, notifier: Option<&Notifier>) -> Result<(), RunEr
         let _ = std::fs::set_permissions(&cfg.run_dir, std::fs::Permissions::from_mode(0o711));
     }
     let ctl_path = cfg.control_socket();
-    if crate::util::socket_listening(&ctl_path) {
+    if accel_dataplane::util::socket_listening(&ctl_path) {
         return Err(RunError::AlreadyRunning(ctl_path));
     }
     let _ = std::fs::remove_file(&ctl_path);
@@ -197,7 +198,7 @@ async fn run_async(cfg: Config, notifier: Option<&Notifier>) -> Result<(), RunEr
                     // Out of descriptors (or memory), the connection stays in the backlog
                     // and the next accept fails at once: wait instead of spinning.
                     if let Some(n) = ACCEPT_LOG.admit() {
-                        warn!("control socket accept: {e}{}", crate::util::suppressed(n));
+                        warn!("control socket accept: {e}{}", accel_dataplane::util::suppressed(n));
                     }
                     tokio::time::sleep(ACCEPT_RETRY).await;
                 }
@@ -212,7 +213,7 @@ async fn run_async(cfg: Config, notifier: Option<&Notifier>) -> Result<(), RunEr
         bound_ms = shutdown_timeout_ms,
         "shutting down: draining every drive"
     );
-    crate::drive::queue_ctl::abandon_drains_at(std::time::Instant::now() + bound);
+    accel_dataplane::drive::queue_ctl::abandon_drains_at(std::time::Instant::now() + bound);
     let s = sup.clone();
     let _ = tokio::task::spawn_blocking(move || s.shutdown()).await;
     let _ = std::fs::remove_file(&ctl_path);

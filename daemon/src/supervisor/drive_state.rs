@@ -16,10 +16,10 @@ use accel_api::status::EngineKind;
 use policy::{DriveView, NodeView, Pin, Reason, ServeSpec};
 use serde::{Deserialize, Serialize};
 
-use crate::drive::Drive;
-use crate::engine::nbd::NbdStats;
-use crate::util::{lock, LogLimit};
-use crate::vhost::ShutdownHandle;
+use accel_dataplane::drive::Drive;
+use accel_dataplane::engine::nbd::NbdStats;
+use accel_dataplane::util::{lock, LogLimit};
+use accel_dataplane::vhost::ShutdownHandle;
 
 /// The drive's QEMU nodes as they were before acceld removed them, to re-create them.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -124,7 +124,7 @@ pub struct ManagedDrive {
     pub stats: Mutex<SwitchStats>,
     /// Lends the drive's rings to QEMU's vhost-user-blk export while it is on the qemu engine
     /// (`lend=on`).
-    pub lender: Mutex<Option<crate::drive::Lender>>,
+    pub lender: Mutex<Option<accel_dataplane::drive::Lender>>,
     /// Budget of the supervisor's lines about this drive (a VM or a QMP client can make the
     /// same failure repeat every reconcile).
     pub log: LogLimit,

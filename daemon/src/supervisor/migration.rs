@@ -25,8 +25,8 @@ use tracing::{info, warn};
 
 use super::vm::Vm;
 use super::{qmp_run, SupError, Supervisor};
-use crate::engine::HeldEngine;
-use crate::util::lock;
+use accel_dataplane::engine::HeldEngine;
+use accel_dataplane::util::lock;
 
 /// Who owns QEMU's `pause-before-switchover` capability.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

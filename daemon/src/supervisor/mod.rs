@@ -36,10 +36,10 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tracing::warn;
 
-use crate::drive::DEFAULT_POLL_US;
-use crate::engine::nbd::NbdError;
-use crate::engine::EngineError;
-use crate::util::lock;
+use accel_dataplane::drive::DEFAULT_POLL_US;
+use accel_dataplane::engine::nbd::NbdError;
+use accel_dataplane::engine::EngineError;
+use accel_dataplane::util::lock;
 
 mod contract;
 mod drive_state;
@@ -139,13 +139,13 @@ pub enum SupError {
     #[error("QEMU did not {0}")]
     QemuState(String),
     #[error(transparent)]
-    Switch(#[from] crate::drive::SwitchError),
+    Switch(#[from] accel_dataplane::drive::SwitchError),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]
     Nbd(#[from] NbdError),
     #[error(transparent)]
-    Serve(#[from] crate::vhost::ServeError),
+    Serve(#[from] accel_dataplane::vhost::ServeError),
     #[error(transparent)]
     Persist(#[from] PersistError),
     #[error("{what}")]
@@ -245,7 +245,7 @@ impl Supervisor {
         &self,
         vm: &str,
         drive: &str,
-    ) -> Result<Arc<crate::drive::Drive>, SupError> {
+    ) -> Result<Arc<accel_dataplane::drive::Drive>, SupError> {
         Ok(self.vm(vm)?.drive(drive)?.drive.clone())
     }
 

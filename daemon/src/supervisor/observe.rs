@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::drive_state::ManagedDrive;
 use super::qemu_graph::{export_id, filter_node, lend_export_id};
 use super::{qmp_run, SupError};
-use crate::util::lock;
+use accel_dataplane::util::lock;
 
 pub(super) struct QemuSnapshot {
     pub nodes: Vec<NodeView>,
@@ -76,7 +76,7 @@ pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
         if g.data_node != data {
             // Management's graph changes cause these: budgeted with the drive's other lines.
             if let Some(n) = d.log.admit() {
-                tracing::info!(drive = d.id(), from = ?g.data_node, to = ?data, "the guest's data moved to another QEMU node{}", crate::util::suppressed(n));
+                tracing::info!(drive = d.id(), from = ?g.data_node, to = ?data, "the guest's data moved to another QEMU node{}", accel_dataplane::util::suppressed(n));
             }
             g.data_node = data;
         }

@@ -12,12 +12,12 @@ use std::path::{Path, PathBuf};
 
 use accel_api::control::{check_id, DriveSpec, PermitImage};
 
-use crate::engine::file::ImageId;
+use accel_dataplane::engine::file::ImageId;
 use serde::{Deserialize, Serialize};
 use tracing::info;
 
 use super::{SupError, Supervisor};
-use crate::util::lock;
+use accel_dataplane::util::lock;
 
 /// Who a VM's QEMU runs as: its sockets and its directory are theirs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -433,7 +433,7 @@ impl Supervisor {
         // would keep the directory. Nobody listening: stale, removed (unlink never follows a
         // link the user planted there).
         let qmp = self.qemu_qmp_socket(vm);
-        if !crate::util::socket_listening(&qmp) {
+        if !accel_dataplane::util::socket_listening(&qmp) {
             let _ = std::fs::remove_file(&qmp);
         }
         let _ = std::fs::remove_dir(self.cfg.run_dir.join(vm));

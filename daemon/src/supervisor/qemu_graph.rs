@@ -19,8 +19,8 @@ use super::offload;
 use super::drive_state::{ManagedDrive, Recorded};
 use super::vm::Vm;
 use super::{qmp_run, SupError, Supervisor};
-use crate::engine::nbd;
-use crate::util::lock;
+use accel_dataplane::engine::nbd;
+use accel_dataplane::util::lock;
 
 pub(super) fn export_id(drive: &str) -> String {
     format!("accel-{drive}")
@@ -251,7 +251,7 @@ impl Supervisor {
             Ok(()) => lock(&d.graph).lend_socket = Some(sock),
             Err(e) => {
                 if let Some(n) = d.log.admit() {
-                    warn!(drive = %id, "no vhost-user-blk export to lend the rings to; the qemu engine serves over NBD: {}{}", e.chain(), crate::util::suppressed(n));
+                    warn!(drive = %id, "no vhost-user-blk export to lend the rings to; the qemu engine serves over NBD: {}{}", e.chain(), accel_dataplane::util::suppressed(n));
                 }
             }
         }
@@ -290,7 +290,7 @@ impl Supervisor {
             Ok(l) => *lock(&d.lender) = Some(l),
             Err(e) => {
                 if let Some(n) = d.log.admit() {
-                    warn!(drive = %d.id(), "cannot start the lender: {e}{}", crate::util::suppressed(n));
+                    warn!(drive = %d.id(), "cannot start the lender: {e}{}", accel_dataplane::util::suppressed(n));
                 }
             }
         }

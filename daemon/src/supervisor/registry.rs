@@ -15,10 +15,10 @@ use super::offload;
 use super::persist::{self, SavedDrive};
 use super::vm::Vm;
 use super::{SupError, Supervisor};
-use crate::drive::{DeviceModel, Drive, DriveConfig, DriveConfigError};
-use crate::engine::{image_size, Engine, FileEngine, HeldEngine};
-use crate::util::lock;
-use crate::vhost::Server;
+use accel_dataplane::drive::{DeviceModel, Drive, DriveConfig, DriveConfigError};
+use accel_dataplane::engine::{image_size, Engine, FileEngine, HeldEngine};
+use accel_dataplane::util::lock;
+use accel_dataplane::vhost::Server;
 
 /// Longest an unregister waits for QEMU to take its drives back.
 const HANDBACK_DEADLINE: Duration = Duration::from_secs(15);
@@ -499,7 +499,7 @@ fn qemu_img_virtual_size(
     // SAFETY: the closure runs in the child between fork and exec and only makes one
     // async-signal-safe system call (close_range).
     unsafe {
-        cmd.pre_exec(crate::util::close_inherited_fds);
+        cmd.pre_exec(close_inherited_fds);
     }
     let out = cmd.output().map_err(|source| SupError::Io {
         what: "cannot run qemu-img (qemu-utils)".into(),
@@ -517,4 +517,17 @@ fn qemu_img_virtual_size(
     v["virtual-size"]
         .as_u64()
         .ok_or_else(|| SupError::Parse("qemu-img info has no virtual-size".into()))
+}
+
+/// For a child between fork and exec: closes every descriptor above stderr, so that none
+/// of acceld's (guest memory, images, QEMU's fds received without `O_CLOEXEC` by the vhost
+/// crate) reaches the program. Only `close_range`, async-signal-safe.
+fn close_inherited_fds() -> std::io::Result<()> {
+    // SAFETY: close_range takes plain integers; closing descriptors in a child about to
+    // exec touches no memory of this process.
+    let r = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }

@@ -9,12 +9,12 @@ use policy::Pin;
 use super::drive_state::ManagedDrive;
 use super::vm::Vm;
 use super::Supervisor;
-use crate::drive::LatencyHistogram;
-use crate::util::lock;
+use accel_dataplane::drive::LatencyHistogram;
+use accel_dataplane::util::lock;
 
 /// QEMU's `io-status` for the drive: `nospace` while writes are held for lack of space,
 /// `failed` while requests are held after another error (werror/rerror=stop), else `ok`.
-fn io_status(s: &crate::drive::DriveStats) -> &'static str {
+fn io_status(s: &accel_dataplane::drive::DriveStats) -> &'static str {
     if s.held_requests.load(Ordering::Relaxed) == 0 {
         "ok"
     } else if s.hold_errno.load(Ordering::Relaxed) == libc::ENOSPC {

@@ -19,9 +19,9 @@ use super::plan::{Action, ToQemu};
 use super::qemu_graph::{lift_limits, set_limits};
 use super::vm::Vm;
 use super::{SupError, Supervisor};
-use crate::engine::nbd::NbdEngine;
-use crate::engine::{Engine, FileEngine, FileEngineConfig, HeldEngine};
-use crate::util::lock;
+use accel_dataplane::engine::nbd::NbdEngine;
+use accel_dataplane::engine::{Engine, FileEngine, FileEngineConfig, HeldEngine};
+use accel_dataplane::util::lock;
 
 #[derive(Clone, Debug)]
 enum Target {
@@ -87,7 +87,7 @@ impl Supervisor {
             Action::ToQemu(why) => {
                 if why == ToQemu::ExportGone {
                     if let Some(n) = d.log.admit() {
-                        warn!(drive = %d.spec.id, "acceld's NBD export is gone; re-creating it{}", crate::util::suppressed(n));
+                        warn!(drive = %d.spec.id, "acceld's NBD export is gone; re-creating it{}", accel_dataplane::util::suppressed(n));
                     }
                 }
                 self.transition(vm, d, qmp, Target::Qemu).await
@@ -253,7 +253,7 @@ impl Supervisor {
                     // Never release an engine with requests on it: a thread waits for them
                     // and releases it then; no other switch starts meanwhile.
                     if let Some(n) = d.log.admit() {
-                        warn!(drive = %d.spec.id, "requests on the old engine did not finish within {timeout:?}; it is released once they do{}", crate::util::suppressed(n));
+                        warn!(drive = %d.spec.id, "requests on the old engine did not finish within {timeout:?}; it is released once they do{}", accel_dataplane::util::suppressed(n));
                     }
                     let old = old.clone();
                     std::thread::spawn(move || {
@@ -345,7 +345,7 @@ impl Supervisor {
             }
             Err((paused, e)) => {
                 if let Some(n) = d.log.admit() {
-                    warn!(vm = %vm.name, drive = %d.spec.id, "switch to {} failed, rolling back: {}{}", to.kind().as_str(), e.chain(), crate::util::suppressed(n));
+                    warn!(vm = %vm.name, drive = %d.spec.id, "switch to {} failed, rolling back: {}{}", to.kind().as_str(), e.chain(), accel_dataplane::util::suppressed(n));
                 }
                 lock(&d.stats).failed_switches += 1;
                 let back = match from {
@@ -366,7 +366,7 @@ impl Supervisor {
                 };
                 if let Err((paused, e2)) = restored {
                     if let Some(n) = d.log.admit() {
-                        warn!(vm = %vm.name, drive = %d.spec.id, "rollback failed, holding the drive's requests: {}{}", e2.chain(), crate::util::suppressed(n));
+                        warn!(vm = %vm.name, drive = %d.spec.id, "rollback failed, holding the drive's requests: {}{}", e2.chain(), accel_dataplane::util::suppressed(n));
                     }
                     let _ = offload::blocking(move || paused.resume(Arc::new(HeldEngine))).await;
                     d.set_engine(EngineKind::Held);
@@ -442,7 +442,7 @@ impl Supervisor {
         why: &SupError,
     ) {
         if let Some(n) = d.log.admit() {
-            warn!(vm = %vm.name, drive = %d.spec.id, "switch to direct failed after the resume, rolling back: {}{}", why.chain(), crate::util::suppressed(n));
+            warn!(vm = %vm.name, drive = %d.spec.id, "switch to direct failed after the resume, rolling back: {}{}", why.chain(), accel_dataplane::util::suppressed(n));
         }
         {
             let mut st = lock(&d.stats);
@@ -455,7 +455,7 @@ impl Supervisor {
             Ok(p) => p,
             Err(e) => {
                 if let Some(n) = d.log.admit() {
-                    warn!(vm = %vm.name, drive = %d.spec.id, "cannot pause the drive to roll back: {e}{}", crate::util::suppressed(n));
+                    warn!(vm = %vm.name, drive = %d.spec.id, "cannot pause the drive to roll back: {e}{}", accel_dataplane::util::suppressed(n));
                 }
                 return;
             }
@@ -486,7 +486,7 @@ impl Supervisor {
         }
         if !failed.is_empty() {
             if let Some(n) = d.log.admit() {
-                warn!(drive = %d.spec.id, "cannot undo the prepared qemu engine: {}{}", failed.join("; "), crate::util::suppressed(n));
+                warn!(drive = %d.spec.id, "cannot undo the prepared qemu engine: {}{}", failed.join("; "), accel_dataplane::util::suppressed(n));
             }
         }
         lock(&d.graph).applied_throttle = None;
@@ -587,7 +587,7 @@ impl Supervisor {
             Ok(_) => None,
             Err(e) => {
                 if let Some(n) = d.log.admit() {
-                    warn!(vm = %vmr.name, drive, "cannot read the node's size after a resize: {}{}", e.chain(), crate::util::suppressed(n));
+                    warn!(vm = %vmr.name, drive, "cannot read the node's size after a resize: {}{}", e.chain(), accel_dataplane::util::suppressed(n));
                 }
                 None
             }
@@ -595,7 +595,7 @@ impl Supervisor {
         self.resume_after_resize(&vmr, &d, &qmp, paused).await;
         if let Some(now) = now {
             if let Some(n) = d.log.admit() {
-                info!(vm = %vmr.name, drive, was, now, "drive resized{}", crate::util::suppressed(n));
+                info!(vm = %vmr.name, drive, was, now, "drive resized{}", accel_dataplane::util::suppressed(n));
             }
             self.tell_new_size(&vmr, &d, &qmp).await;
         }
@@ -608,7 +608,7 @@ impl Supervisor {
         vm: &Arc<Vm>,
         d: &Arc<ManagedDrive>,
         qmp: &Qmp,
-        paused: crate::drive::Paused,
+        paused: accel_dataplane::drive::Paused,
     ) {
         if let Some(e) = self.resume_on_qemu(vm, d, qmp, paused, "a resize").await {
             lock(&d.stats).last_error = Some(e.chain());
@@ -620,11 +620,11 @@ impl Supervisor {
     /// driver has not started the device (it keeps the config it read at connect), so then
     /// `device-sync-config` makes it read the config again.
     async fn tell_new_size(&self, vm: &Arc<Vm>, d: &Arc<ManagedDrive>, qmp: &Qmp) {
-        let sent = match crate::vhost::notify_config_change(&d.drive) {
+        let sent = match accel_dataplane::vhost::notify_config_change(&d.drive) {
             Ok(sent) => sent,
             Err(e) => {
                 if let Some(n) = d.log.admit() {
-                    warn!(vm = %vm.name, drive = %d.spec.id, "cannot send the config-change message: {e}{}", crate::util::suppressed(n));
+                    warn!(vm = %vm.name, drive = %d.spec.id, "cannot send the config-change message: {e}{}", accel_dataplane::util::suppressed(n));
                 }
                 false
             }
@@ -637,7 +637,7 @@ impl Supervisor {
         };
         if let Err(e) = super::qmp_run(qmp, &sync).await {
             if let Some(n) = d.log.admit() {
-                warn!(vm = %vm.name, drive = %d.spec.id, "QEMU's device keeps the old size until the guest resets it: {}{}", e.chain(), crate::util::suppressed(n));
+                warn!(vm = %vm.name, drive = %d.spec.id, "QEMU's device keeps the old size until the guest resets it: {}{}", e.chain(), accel_dataplane::util::suppressed(n));
             }
         }
     }
@@ -649,7 +649,7 @@ impl Supervisor {
         vm: &Arc<Vm>,
         d: &Arc<ManagedDrive>,
         qmp: &Qmp,
-        paused: crate::drive::Paused,
+        paused: accel_dataplane::drive::Paused,
         after: &str,
     ) -> Option<SupError> {
         let res = match self.qemu_engine(vm, d, qmp, false).await {
@@ -666,7 +666,7 @@ impl Supervisor {
             Err(x) => x,
         };
         if let Some(n) = d.log.admit() {
-            warn!(vm = %vm.name, drive = %d.spec.id, "cannot serve the drive on the qemu engine after {after}, holding its requests: {}{}", e.chain(), crate::util::suppressed(n));
+            warn!(vm = %vm.name, drive = %d.spec.id, "cannot serve the drive on the qemu engine after {after}, holding its requests: {}{}", e.chain(), accel_dataplane::util::suppressed(n));
         }
         let _ = offload::blocking(move || paused.resume(Arc::new(HeldEngine))).await;
         d.set_engine(EngineKind::Held);

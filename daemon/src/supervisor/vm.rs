@@ -18,7 +18,7 @@ use super::drive_state::ManagedDrive;
 use super::persist::{SavedDrive, SavedVm};
 use super::plan::{self, Action, PlanInput, Quiet, Timer};
 use super::{observe, qmp_run, SupError, Supervisor};
-use crate::util::{lock, suppressed, LogLimit};
+use accel_dataplane::util::{lock, suppressed, LogLimit};
 
 pub struct Vm {
     pub name: String,

@@ -183,19 +183,6 @@ pub fn connect_unix(
     Ok(s)
 }
 
-/// For a child between fork and exec: closes every descriptor above stderr, so that none
-/// of acceld's (guest memory, images, QEMU's fds received without `O_CLOEXEC` by the vhost
-/// crate) reaches the program. Only `close_range`, async-signal-safe.
-pub fn close_inherited_fds() -> std::io::Result<()> {
-    // SAFETY: close_range takes plain integers; closing descriptors in a child about to
-    // exec touches no memory of this process.
-    let r = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 /// Sets or clears `O_NONBLOCK` on `fd` (shared by every descriptor of the open file).
 pub fn set_nonblocking(fd: std::os::fd::RawFd, on: bool) -> std::io::Result<()> {
     // SAFETY: fcntl F_GETFL on a descriptor has no memory effects.

@@ -2,10 +2,62 @@
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::*;
+use thiserror::Error;
+
+use super::proto::{
+    CMD_DISC, FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT, INFO_BLOCK_SIZE, INFO_EXPORT,
+    NBDMAGIC, OPT_GO, OPT_REPLY_MAGIC, OPT_STRUCTURED_REPLY, REP_ACK, REP_ERR_BIT, REP_INFO,
+    REQUEST_MAGIC, TF_READ_ONLY,
+};
+
+/// The payload limit when the server names none (the spec's recommended 32 MiB).
+pub(super) const DEFAULT_MAX_PAYLOAD: u32 = 32 << 20;
+/// Longest option reply payload read during the handshake.
+pub(super) const MAX_OPT_REPLY: u32 = 64 << 10;
+/// Socket send timeout: a server that stops reading fails the connection instead of
+/// blocking the worker.
+pub(super) const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Error)]
+pub enum NbdError {
+    #[error("cannot connect to NBD socket {path}")]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("NBD handshake I/O failed")]
+    Io(#[from] io::Error),
+    #[error("NBD server broke the protocol: {0}")]
+    Protocol(String),
+    #[error("NBD server refused export '{export}': {message} (reply type {code:#x})")]
+    Refused {
+        export: String,
+        code: u32,
+        message: String,
+    },
+    #[error("NBD export '{export}' changed size from {was} to {now} bytes")]
+    SizeChanged { export: String, was: u64, now: u64 },
+}
+
+/// What the server told us about the export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportInfo {
+    pub size: u64,
+    pub flags: u16,
+    /// Largest payload of one request.
+    pub max_payload: u32,
+    pub structured: bool,
+}
+
+impl ExportInfo {
+    pub fn read_only(&self) -> bool {
+        self.flags & TF_READ_ONLY != 0
+    }
+}
 
 pub(super) fn rd_u16(r: &mut impl Read) -> io::Result<u16> {
     let mut b = [0; 2];

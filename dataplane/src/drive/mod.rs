@@ -15,6 +15,7 @@ use tracing::{info, warn};
 
 use crate::engine::held::NullIo;
 use crate::engine::{Engine, EngineError, FileEngine, FileEngineConfig, HeldEngine, QueueIo};
+use crate::guest_mem::Mem;
 use crate::util::lock;
 pub use crate::virtio_blk::DeviceModel;
 use crate::virtio_blk::{BlkConfig, DiskGeometry, SECTOR_SHIFT};
@@ -145,11 +146,28 @@ pub struct Drive {
     /// take-back (see `lend`).
     ring_gate: Mutex<()>,
     /// The rings lent to QEMU's export, while they are.
-    lent: Mutex<Option<lend::Lent>>,
+    lent: Mutex<Option<Lent>>,
     /// (changes of the running queues, a lender must stop), for a [`lend::Lender`].
     queue_events: (Mutex<(u64, bool)>, std::sync::Condvar),
     pub stats: DriveStats,
     pub drain_timeout: Duration,
+}
+
+/// A lend in place (made and ended by [`lend`]; here because the drive holds it).
+struct Lent {
+    client: lend::client::Client,
+    socket: std::path::PathBuf,
+    peer_uid: Option<u32>,
+    rings: Vec<LentRing>,
+    since: std::time::Instant,
+}
+
+struct LentRing {
+    ctl: Arc<QueueCtl>,
+    index: u32,
+    size: u16,
+    used: u64,
+    mem: Arc<Mem>,
 }
 
 impl Drive {

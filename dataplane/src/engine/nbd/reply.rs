@@ -9,7 +9,7 @@
 
 use thiserror::Error;
 
-use super::{
+use super::proto::{
     REPLY_TYPE_ERROR_BIT, REPLY_TYPE_NONE, REPLY_TYPE_OFFSET_DATA, REPLY_TYPE_OFFSET_HOLE,
     SIMPLE_REPLY_MAGIC, STRUCTURED_REPLY_MAGIC,
 };

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use acceld::engine::{Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
+use accel_dataplane::engine::{Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
 
 fn cfg(path: &std::path::Path) -> FileEngineConfig {
     FileEngineConfig {

@@ -22,10 +22,10 @@ use std::sync::atomic::Ordering;
 
 use tracing::debug;
 
-use super::handshake::disconnect;
-use super::queue::{Conn, Flight};
+use super::conn::{connect_link, Conn, Flight};
+use super::handshake::{disconnect, ExportInfo, NbdError};
+use super::proto::{REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA};
 use super::reply::{self, Chunk, ReplyError, ReplyHeader};
-use super::*;
 use crate::guest_mem::{consume_iov, sub_iovecs, MAX_IOV};
 
 /// The connecting thread: connects, hands the socket to the worker, and ends.

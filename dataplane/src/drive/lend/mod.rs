@@ -45,7 +45,10 @@ use tracing::{info, warn};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{Drive, QueueCtl, SwitchError};
+/// The worker's hand-over, a queue-control type; named here too because queue/worker.rs
+/// names it `drive::lend::RingLoan`.
+pub use super::queue_ctl::RingLoan;
+use super::{Drive, Lent, LentRing, QueueCtl, SwitchError};
 use crate::guest_mem::Mem;
 use crate::util::lock;
 
@@ -67,20 +70,6 @@ const BROKEN_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
 const F_EVENT_IDX: u64 = 1 << 29;
 const F_LOG_ALL: u64 = 1 << 26;
 
-/// What a parked worker hands over: its ring, where it stopped, and the guest's eventfds.
-pub struct RingLoan {
-    pub index: usize,
-    pub size: u16,
-    pub desc: u64,
-    pub avail: u64,
-    pub used: u64,
-    pub next_avail: u16,
-    pub event_idx: bool,
-    pub kick: EventFd,
-    pub call: Option<EventFd>,
-    pub mem: Arc<Mem>,
-}
-
 #[derive(Debug, Error)]
 pub enum LendError {
     #[error("drive {drive} cannot be lent: {why}")]
@@ -95,23 +84,6 @@ pub enum LendError {
 
 /// What a lend reads of the drive: the guest's features, the running queues, the memory.
 type LendState = (u64, Vec<Arc<QueueCtl>>, Arc<Mem>);
-
-/// A lend in place.
-pub(crate) struct Lent {
-    client: Client,
-    socket: std::path::PathBuf,
-    peer_uid: Option<u32>,
-    rings: Vec<LentRing>,
-    since: Instant,
-}
-
-struct LentRing {
-    ctl: Arc<QueueCtl>,
-    index: u32,
-    size: u16,
-    used: u64,
-    mem: Arc<Mem>,
-}
 
 /// The outcome of a lend or a take-back.
 #[derive(Clone, Debug)]

@@ -8,10 +8,23 @@ use std::time::Instant;
 use tracing::error;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::drive::lend::RingLoan;
 use crate::engine::{Engine, QueueIo};
-use crate::guest_mem::MemHandle;
+use crate::guest_mem::{Mem, MemHandle};
 use crate::util::lock;
+
+/// What a parked worker hands over: its ring, where it stopped, and the guest's eventfds.
+pub struct RingLoan {
+    pub index: usize,
+    pub size: u16,
+    pub desc: u64,
+    pub avail: u64,
+    pub used: u64,
+    pub next_avail: u16,
+    pub event_idx: bool,
+    pub kick: EventFd,
+    pub call: Option<EventFd>,
+    pub mem: Arc<Mem>,
+}
 
 /// When the process stops waiting for drains (the shutdown bound); None while running.
 static ABANDON_AT: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);

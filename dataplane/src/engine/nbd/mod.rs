@@ -18,146 +18,33 @@
 //! with `-EIO` (the guest sees IOERR), the error is counted and kept for `accelctl status`, and
 //! nothing hangs: the reader sees EOF, writes have a send timeout.
 
-use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
 
-use thiserror::Error;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::engine::{Engine, EngineError, EngineKind, QueueIo};
 use crate::util::lock;
 
+mod conn;
 mod handshake;
 pub mod proto;
 mod queue;
 mod reader;
 pub mod reply;
 
+pub use conn::NbdStats;
+use conn::{connect_link, Conn, ConnState, Link};
 use handshake::disconnect;
-pub use handshake::{connect, greets};
-use proto::{
-    IHAVEOPT, NBDMAGIC, OPT_GO, OPT_REPLY_MAGIC, OPT_STRUCTURED_REPLY, REP_ACK, REP_ERR_BIT,
-    REP_INFO,
-};
-use queue::{Conn, ConnState, Link, NbdQueue};
-use reader::connect_thread;
-
-const REQUEST_MAGIC: u32 = 0x2560_9513;
-const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
-const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
-
-const FLAG_FIXED_NEWSTYLE: u16 = 1;
-const FLAG_NO_ZEROES: u16 = 2;
-
-const INFO_EXPORT: u16 = 0;
-const INFO_BLOCK_SIZE: u16 = 3;
-
+pub use handshake::{connect, greets, ExportInfo, NbdError};
 /// Transmission flags (server side).
-pub const TF_READ_ONLY: u16 = 1 << 1;
-pub const TF_SEND_FLUSH: u16 = 1 << 2;
-pub const TF_SEND_FUA: u16 = 1 << 3;
-pub const TF_SEND_TRIM: u16 = 1 << 5;
-pub const TF_SEND_WRITE_ZEROES: u16 = 1 << 6;
-pub const TF_SEND_DF: u16 = 1 << 7;
-pub const TF_CAN_MULTI_CONN: u16 = 1 << 8;
-
-const CMD_READ: u16 = 0;
-const CMD_WRITE: u16 = 1;
-const CMD_DISC: u16 = 2;
-const CMD_FLUSH: u16 = 3;
-const CMD_TRIM: u16 = 4;
-const CMD_WRITE_ZEROES: u16 = 6;
-const CMD_FLAG_FUA: u16 = 1;
-const CMD_FLAG_NO_HOLE: u16 = 2;
-/// "Don't fragment": the read's data in one OFFSET_DATA chunk, holes included. QEMU then
-/// skips the block-status walk it does for every sparse read (nbd/server.c).
-const CMD_FLAG_DF: u16 = 4;
-
-const REPLY_FLAG_DONE: u16 = 1;
-const REPLY_TYPE_NONE: u16 = 0;
-const REPLY_TYPE_OFFSET_DATA: u16 = 1;
-const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
-const REPLY_TYPE_ERROR_BIT: u16 = 1 << 15;
-
-/// The payload limit when the server names none (the spec's recommended 32 MiB).
-const DEFAULT_MAX_PAYLOAD: u32 = 32 << 20;
-/// Most parts one request may be split into; larger requests get EINVAL (IOERR).
-const MAX_PARTS: u64 = 1 << 12;
-/// Longest option reply payload read during the handshake.
-const MAX_OPT_REPLY: u32 = 64 << 10;
-/// Socket send timeout: a server that stops reading fails the connection instead of
-/// blocking the worker.
-const SEND_TIMEOUT: Duration = Duration::from_secs(30);
-
-#[derive(Debug, Error)]
-pub enum NbdError {
-    #[error("cannot connect to NBD socket {path}")]
-    Connect {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
-    #[error("NBD handshake I/O failed")]
-    Io(#[from] io::Error),
-    #[error("NBD server broke the protocol: {0}")]
-    Protocol(String),
-    #[error("NBD server refused export '{export}': {message} (reply type {code:#x})")]
-    Refused {
-        export: String,
-        code: u32,
-        message: String,
-    },
-    #[error("NBD export '{export}' changed size from {was} to {now} bytes")]
-    SizeChanged { export: String, was: u64, now: u64 },
-}
-
-/// What the server told us about the export.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ExportInfo {
-    pub size: u64,
-    pub flags: u16,
-    /// Largest payload of one request.
-    pub max_payload: u32,
-    pub structured: bool,
-}
-
-impl ExportInfo {
-    pub fn read_only(&self) -> bool {
-        self.flags & TF_READ_ONLY != 0
-    }
-}
-
-/// Counters and the last error of an NBD engine, for status.
-#[derive(Debug, Default)]
-pub struct NbdStats {
-    pub connections: AtomicU64,
-    pub errors: AtomicU64,
-    pub last_error: Mutex<Option<String>>,
-}
-
-impl NbdStats {
-    fn record(&self, e: String) {
-        self.errors.fetch_add(1, Ordering::Relaxed);
-        *lock(&self.last_error) = Some(e);
-    }
-}
-
-/// One more connection to `export`, which must still hold `size` bytes.
-fn connect_link(path: &Path, export: &str, size: u64) -> Result<Link, NbdError> {
-    let (sock, info) = connect(path, export)?;
-    if info.size != size {
-        disconnect(&sock);
-        return Err(NbdError::SizeChanged {
-            export: export.to_string(),
-            was: size,
-            now: info.size,
-        });
-    }
-    Ok(Link { sock, info })
-}
+pub use proto::{
+    TF_CAN_MULTI_CONN, TF_READ_ONLY, TF_SEND_DF, TF_SEND_FLUSH, TF_SEND_FUA, TF_SEND_TRIM,
+    TF_SEND_WRITE_ZEROES,
+};
+use queue::NbdQueue;
+use reader::connect_thread;
 
 /// The qemu engine: one NBD connection per queue to one export.
 pub struct NbdEngine {

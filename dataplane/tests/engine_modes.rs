@@ -5,7 +5,7 @@
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use acceld::engine::{Engine, FileEngine, FileEngineConfig, IoMode, IoOp, QueueIo};
+use accel_dataplane::engine::{Engine, FileEngine, FileEngineConfig, IoMode, IoOp, QueueIo};
 
 fn open(path: &Path, io: IoMode) -> FileEngine {
     FileEngine::open(FileEngineConfig {
