@@ -67,7 +67,7 @@ pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
         let gone = !snap.nodes.iter().any(|x| x.name == d.node());
         if let (Some(to), true, false) = (&data, gone, g.nodes_removed) {
             if let Some(n) = d.log.admit() {
-                tracing::info!(drive = d.id(), from = %d.node(), to = %to, "the drive's node is now QEMU's pivot target{}", crate::util::suppressed(n));
+                tracing::info!(drive = d.id(), from = %d.node(), to = %to, "the drive's node is now QEMU's pivot target{}", accel_dataplane::util::suppressed(n));
             }
             d.set_node(to.clone());
             g.recorded = None;
