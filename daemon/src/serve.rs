@@ -208,6 +208,7 @@ impl ServeArgs {
             rerror: self.rerror,
             // A standalone server: QEMU's vhost-user-blk export's device, as before.
             model: accel_dataplane::drive::DeviceModel::Export,
+            chs: None,
         }
         .checked()
         .map_err(|e| match e {

@@ -478,6 +478,57 @@ pub fn device_features(read_only: bool, model: DeviceModel, num_queues: u16) -> 
     f
 }
 
+/// A legacy CHS geometry (the GEOMETRY feature's config fields).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Chs {
+    pub cylinders: u16,
+    pub heads: u8,
+    pub sectors: u8,
+}
+
+/// The geometry QEMU 10 gives a disk of `capacity_sectors` whose first sector is `mbr`
+/// (`hd_geometry_guess` without a geometry probe, which only DASDs answer): a DOS partition
+/// table's first partition whose end head is set names the heads (end head + 1) and sectors
+/// (its end sector's low 6 bits) if that gives 1 to 16,383 cylinders; with at most 16 heads
+/// that is the geometry, else (a BIOS's LBA translation) and without a table the size
+/// decides: 16 heads, 63 sectors, 2 to 16,383 cylinders.
+pub fn guess_chs(capacity_sectors: u64, mbr: Option<&[u8; 512]>) -> Chs {
+    let by_size = Chs {
+        cylinders: (capacity_sectors / (16 * 63)).clamp(2, 16383) as u16,
+        heads: 16,
+        sectors: 63,
+    };
+    let Some(b) = mbr.filter(|b| b[510] == 0x55 && b[511] == 0xaa) else {
+        return by_size;
+    };
+    for i in 0..4 {
+        let p = &b[0x1be + 16 * i..0x1be + 16 * (i + 1)];
+        let nr_sects = u32::from_le_bytes([p[12], p[13], p[14], p[15]]);
+        let end_head = p[5];
+        if nr_sects == 0 || end_head == 0 {
+            continue;
+        }
+        let heads = u64::from(end_head) + 1;
+        let sectors = u64::from(p[6] & 63);
+        if sectors == 0 {
+            continue;
+        }
+        let cylinders = capacity_sectors / (heads * sectors);
+        if !(1..=16383).contains(&cylinders) {
+            continue;
+        }
+        if heads > 16 {
+            return by_size;
+        }
+        return Chs {
+            cylinders: cylinders as u16,
+            heads: heads as u8,
+            sectors: sectors as u8,
+        };
+    }
+    by_size
+}
+
 /// Size of `struct virtio_blk_config` up to and including `write_zeroes_may_unmap` and its
 /// padding (§5.2.4).
 pub const CONFIG_LEN: usize = 60;
@@ -530,6 +581,23 @@ impl BlkConfig {
             max_write_zeroes_sectors: MAX_WRITE_ZEROES_SECTORS,
             max_write_zeroes_seg: 1,
             write_zeroes_may_unmap: 0,
+        }
+    }
+
+    /// [`BlkConfig::virtio_blk_like`] with the CHS geometry `chs` (cylinders, heads, sectors)
+    /// instead of the size-based guess ([`guess_chs`] from the disk's first sector gives
+    /// QEMU's).
+    pub fn virtio_blk_with_chs(
+        capacity_sectors: u64,
+        blk_size: u32,
+        num_queues: u16,
+        chs: Chs,
+    ) -> Self {
+        BlkConfig {
+            cylinders: chs.cylinders,
+            heads: chs.heads,
+            sectors: chs.sectors,
+            ..Self::virtio_blk_like(capacity_sectors, blk_size, num_queues)
         }
     }
 
@@ -1187,5 +1255,79 @@ mod tests {
         // The cylinder count stays within CHS's range.
         assert_eq!(BlkConfig::virtio_blk_like(100, 512, 1).cylinders, 2);
         assert_eq!(BlkConfig::virtio_blk_like(1 << 40, 512, 1).cylinders, 16383);
+    }
+
+    /// A DOS partition table with one partition ending at (`end_head`, `end_sector`).
+    fn mbr(end_head: u8, end_sector: u8, nr_sects: u32, sig: bool) -> [u8; 512] {
+        let mut b = [0u8; 512];
+        let p = 0x1be;
+        b[p + 5] = end_head;
+        b[p + 6] = end_sector;
+        b[p + 12..p + 16].copy_from_slice(&nr_sects.to_le_bytes());
+        if sig {
+            b[510] = 0x55;
+            b[511] = 0xaa;
+        }
+        b
+    }
+
+    /// QEMU 10's `hd_geometry_guess` for a virtio-blk disk, case by case.
+    #[test]
+    fn the_geometry_is_guessed_as_qemu_does() {
+        let c = |cylinders, heads, sectors| Chs {
+            cylinders,
+            heads,
+            sectors,
+        };
+        let size = 131_072; // 64 MiB
+        for (what, mbr, want) in [
+            ("no first sector", None, c(130, 16, 63)),
+            (
+                "no signature",
+                Some(mbr(15, 63, 1000, false)),
+                c(130, 16, 63),
+            ),
+            ("a blank table", Some(mbr(0, 0, 0, true)), c(130, 16, 63)),
+            // An old-style table: 16 heads, 32 sectors (the partition's end sector).
+            (
+                "16 heads, 32 sectors",
+                Some(mbr(15, 32, 1000, true)),
+                c(256, 16, 32),
+            ),
+            (
+                "4 heads, 32 sectors",
+                Some(mbr(3, 32, 1000, true)),
+                c(1024, 4, 32),
+            ),
+            // fdisk's 255 heads: a BIOS translation, so the size decides.
+            ("255 heads", Some(mbr(254, 63, 1000, true)), c(130, 16, 63)),
+            // The sector's high bits belong to the cylinder.
+            (
+                "sector with cylinder bits",
+                Some(mbr(15, 0xc0 | 32, 1000, true)),
+                c(256, 16, 32),
+            ),
+            ("end sector 0", Some(mbr(15, 0, 1000, true)), c(130, 16, 63)),
+            (
+                "no sectors in the partition",
+                Some(mbr(15, 32, 0, true)),
+                c(130, 16, 63),
+            ),
+        ] {
+            assert_eq!(guess_chs(size, mbr.as_ref()), want, "{what}");
+        }
+        // Too many cylinders for the table's geometry: the size decides (clamped).
+        assert_eq!(
+            guess_chs(1 << 32, Some(&mbr(1, 1, 10, true))),
+            c(16383, 16, 63)
+        );
+        // Too few (a disk smaller than one cylinder of the table's geometry).
+        assert_eq!(guess_chs(100, Some(&mbr(15, 63, 10, true))), c(2, 16, 63));
+        // A later partition may name the geometry when the first names none.
+        let mut b = mbr(0, 0, 0, true);
+        b[0x1ce + 5] = 7;
+        b[0x1ce + 6] = 32;
+        b[0x1ce + 12] = 1;
+        assert_eq!(guess_chs(size, Some(&b)), c(512, 8, 32));
     }
 }

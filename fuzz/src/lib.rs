@@ -80,6 +80,16 @@ pub fn virtio_blk(data: &[u8]) {
             accel_dataplane::virtio_blk::DeviceModel::VirtioBlk
         },
     };
+    // A disk's first sector is the guest's (and QEMU's user's) to write: the geometry guess
+    // from it stays in CHS's range whatever it holds.
+    {
+        let mut sector = [0u8; 512];
+        let src = i.bytes(512);
+        sector[..src.len()].copy_from_slice(src);
+        let c = accel_dataplane::virtio_blk::guess_chs(g.sectors, Some(&sector));
+        assert!((1..=16383).contains(&c.cylinders));
+        assert!((1..=16).contains(&c.heads) && (1..=63).contains(&c.sectors));
+    }
     let mut hb = [0u8; 16];
     hb.copy_from_slice(&{
         let mut h = [0u8; 16];
@@ -535,6 +545,7 @@ pub fn vhost_user(data: &[u8]) {
             werror: accel_dataplane::drive::ErrorPolicy::Enospc,
             rerror: accel_dataplane::drive::ErrorPolicy::Report,
             model: accel_dataplane::drive::DeviceModel::Export,
+            chs: None,
         };
         let drive = accel_dataplane::drive::Drive::new(cfg, w.engine.clone());
         let mut i = Input { b: data };

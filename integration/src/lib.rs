@@ -237,13 +237,31 @@ impl Guest {
     /// Boots the tiny guest with the arguments of accel's VM contract (`accelctl qemu-args`:
     /// memory backend, QMP, block graph, vhost-user devices, -S) plus `extra`.
     pub fn boot_contract(contract: &[String], extra: &[String], script: &str) -> Result<Self> {
+        Self::boot_contract_in(&[], contract, extra, script)
+    }
+
+    /// [`Guest::boot_contract`], QEMU run through `prefix` (say, `two-hosts.sh exec B`: inside
+    /// a host's namespaces).
+    pub fn boot_contract_in(
+        prefix: &[&str],
+        contract: &[String],
+        extra: &[String],
+        script: &str,
+    ) -> Result<Self> {
         if b64(script.as_bytes()).len() > 1800 {
             bail!(
                 "guest script too long for the kernel command line (2048 bytes); put it in guest/"
             );
         }
         let (kernel, initrd) = ensure_guest()?;
-        let mut cmd = Command::new("qemu-system-x86_64");
+        let mut cmd = match prefix.split_first() {
+            Some((p, rest)) => {
+                let mut c = Command::new(p);
+                c.args(rest).arg("qemu-system-x86_64");
+                c
+            }
+            None => Command::new("qemu-system-x86_64"),
+        };
         cmd.args(["-machine", "q35,accel=tcg"])
             .args(contract)
             .args(extra)

@@ -21,12 +21,24 @@ pub struct Instance {
 impl Instance {
     /// QEMU with `args` (the VM's contract) plus a side monitor at `side` and `extra`.
     pub fn boot(args: &[String], side: &Path, extra: &[String], script: &str) -> Result<Self> {
+        Self::boot_in(&[], args, side, extra, script)
+    }
+
+    /// [`Instance::boot`], QEMU run through `prefix` (inside a host of `two-hosts.sh`); `side`
+    /// must be a path both QEMU and this process see.
+    pub fn boot_in(
+        prefix: &[&str],
+        args: &[String],
+        side: &Path,
+        extra: &[String],
+        script: &str,
+    ) -> Result<Self> {
         let mut x = vec![
             "-qmp".to_string(),
             format!("unix:{},server=on,wait=off", side.display()),
         ];
         x.extend_from_slice(extra);
-        let guest = Guest::boot_contract(args, &x, script)?;
+        let guest = Guest::boot_contract_in(prefix, args, &x, script)?;
         let side_qmp = SideQmp::connect(side)?;
         Ok(Instance {
             guest,
@@ -112,6 +124,26 @@ pub fn migrate(src: &Instance, dst: &Instance, uri: &str) -> Result<Migrated> {
         downtime_ms: info["downtime"].as_u64().unwrap_or(0),
         to_running: tc.elapsed(),
     })
+}
+
+/// Waits for the MIGRATION event that ends a migration (completed or failed) on `qmp`'s
+/// `events`, then returns `query-migrate`, which must say completed.
+pub fn wait_migration_end(
+    qmp: &SideQmp,
+    events: &mut tokio::sync::broadcast::Receiver<qmp_client::Event>,
+    timeout: Duration,
+) -> Result<Value> {
+    qmp.wait_event(
+        events,
+        "MIGRATION",
+        |d| d["status"] == "completed" || d["status"] == "failed",
+        timeout,
+    )?;
+    let m = qmp.cmd("query-migrate", Value::Null)?;
+    if m["status"] != "completed" {
+        bail!("the migration did not complete: {m}");
+    }
+    Ok(m)
 }
 
 /// Whether process `pid` has `image` open with a lock on it (QEMU-style OFD locks show in

@@ -70,6 +70,18 @@ impl TwoHosts {
         Ok(TwoHosts { dir, script })
     }
 
+    /// The command prefix that runs a program inside host `h` (`two-hosts.sh exec H`).
+    pub fn exec_prefix(h: Host) -> Vec<String> {
+        vec![
+            crate::crate_dir()
+                .join("two-hosts.sh")
+                .to_string_lossy()
+                .into_owned(),
+            "exec".into(),
+            h.arg().into(),
+        ]
+    }
+
     /// Storage both hosts see at the same path.
     pub fn shared(&self) -> PathBuf {
         self.dir.join("shared")

@@ -5,7 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use accel_integration::migration::{accelctl_migrate, has_open, holds_lock, migrate, Instance};
+use accel_integration::migration::{
+    accelctl_migrate, has_open, holds_lock, migrate, wait_migration_end, Instance,
+};
 use accel_integration::supervised::{writer_script, AcceldRun};
 use accel_integration::{guest_value, host_md5, Guest};
 use anyhow::{bail, Context, Result};
@@ -597,14 +599,7 @@ fn management_migrates_through_the_proxy_with_its_own_pause() -> Result<()> {
         "acceld's export is gone at pre-switchover: {exports}"
     );
     proxy.cmd("migrate-continue", json!({"state": "pre-switchover"}))?;
-    proxy.wait_event(
-        &mut events,
-        "MIGRATION",
-        |d| d["status"] == "completed" || d["status"] == "failed",
-        Duration::from_secs(60),
-    )?;
-    let m = proxy.cmd("query-migrate", Value::Null)?;
-    assert_eq!(m["status"], "completed", "{m}");
+    let m = wait_migration_end(&proxy, &mut events, Duration::from_secs(60))?;
     dst.wait_status("running", Duration::from_secs(30))?;
     b.wait_engine("vm1", "d0", "direct", Duration::from_secs(20))?;
     proxy.cmd("quit", Value::Null)?;

@@ -11,11 +11,15 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use accel_integration::domain::{domain_xml_of, DomainSpec};
+use accel_integration::migration::{wait_migration_end, Instance};
 use accel_integration::serial::Serial;
-use accel_integration::supervised::{accelctl_bin, writer_script};
+use accel_integration::supervised::{accelctl_bin, writer_script, SideQmp};
 use accel_integration::two_hosts::{Host, TwoHosts};
-use accel_integration::{create_qcow2, ensure_guest, host_md5, keeps_progressing, qcow2_md5};
+use accel_integration::{
+    create_qcow2, ensure_guest, guest_value, host_md5, keeps_progressing, qcow2_md5,
+};
 use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
 
 const WORKERS: u32 = 32;
 const BLOCKS: u32 = 64;
@@ -25,6 +29,29 @@ const DRIVE: &str = "virtio-disk0";
 fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     static M: std::sync::Mutex<()> = std::sync::Mutex::new(());
     M.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A test's two hosts (up) and the guest's kernel and initramfs, one test at a time.
+struct Setup {
+    _one: std::sync::MutexGuard<'static, ()>,
+    hosts: TwoHosts,
+    kernel: PathBuf,
+    initrd: PathBuf,
+}
+
+/// None when the two-host tests are left out.
+fn setup() -> Result<Option<Setup>> {
+    let one = one_at_a_time();
+    if skip() {
+        return Ok(None);
+    }
+    let (kernel, initrd) = ensure_guest()?;
+    Ok(Some(Setup {
+        _one: one,
+        hosts: TwoHosts::up()?,
+        kernel,
+        initrd,
+    }))
 }
 
 fn skip() -> bool {
@@ -315,6 +342,14 @@ fn verify_as(serial: &mut Serial, img: &Path, qcow2: bool) -> Result<()> {
     Ok(())
 }
 
+/// Neither host's acceld logged a WARN or an ERROR.
+fn no_acceld_warnings(hosts: &TwoHosts) {
+    for h in [Host::A, Host::B] {
+        let w = hosts.acceld_warnings(h);
+        assert!(w.is_empty(), "acceld on {}: {w:#?}", h.name());
+    }
+}
+
 fn median(v: &[u64]) -> u64 {
     let mut v = v.to_vec();
     v.sort_unstable();
@@ -329,16 +364,12 @@ fn median(v: &[u64]) -> u64 {
 /// twin does the same first (two hops) in the same harness, for the downtime next to it.
 #[test]
 fn virsh_migrate_live_moves_a_converted_domain_between_hosts() -> Result<()> {
-    let _one = one_at_a_time();
-    if skip() {
-        return Ok(());
-    }
-    let (kernel, initrd) = ensure_guest()?;
-    let hosts = TwoHosts::up()?;
-    let plain = Dom::define(&hosts, "xhost-plain", 1, false, false, &kernel, &initrd)?;
-    let conv = Dom::define(&hosts, "xhost-accel", 2, true, false, &kernel, &initrd)?;
-    let p = run(&hosts, &plain, 2, &[], Duration::ZERO)?;
-    let c = run(&hosts, &conv, 6, &[], Duration::from_secs(60))?;
+    let Some(t) = setup()? else { return Ok(()) };
+    let (hosts, kernel, initrd) = (&t.hosts, &t.kernel, &t.initrd);
+    let plain = Dom::define(hosts, "xhost-plain", 1, false, false, kernel, initrd)?;
+    let conv = Dom::define(hosts, "xhost-accel", 2, true, false, kernel, initrd)?;
+    let p = run(hosts, &plain, 2, &[], Duration::ZERO)?;
+    let c = run(hosts, &conv, 6, &[], Duration::from_secs(60))?;
     let down = |v: &[Hop]| v.iter().map(|h| h.downtime_ms).collect::<Vec<_>>();
     let wall = |v: &[Hop]| v.iter().map(|h| h.wall_ms as u64).collect::<Vec<_>>();
     println!(
@@ -370,15 +401,11 @@ fn virsh_migrate_live_moves_a_converted_domain_between_hosts() -> Result<()> {
 /// the guest sees 0 errors and the last host's own image holds what the guest wrote.
 #[test]
 fn virsh_migrate_copy_storage_moves_a_converted_domain_with_its_disk() -> Result<()> {
-    let _one = one_at_a_time();
-    if skip() {
-        return Ok(());
-    }
-    let (kernel, initrd) = ensure_guest()?;
-    let hosts = TwoHosts::up()?;
-    let d = Dom::define(&hosts, "xhost-copy", 3, true, true, &kernel, &initrd)?;
+    let Some(t) = setup()? else { return Ok(()) };
+    let (hosts, kernel, initrd) = (&t.hosts, &t.kernel, &t.initrd);
+    let d = Dom::define(hosts, "xhost-copy", 3, true, true, kernel, initrd)?;
     let hops = run(
-        &hosts,
+        hosts,
         &d,
         2,
         &["--copy-storage-all"],
@@ -389,10 +416,7 @@ fn virsh_migrate_copy_storage_moves_a_converted_domain_with_its_disk() -> Result
         hops.iter().map(|h| h.downtime_ms).collect::<Vec<_>>(),
         hops.iter().map(|h| h.wall_ms).collect::<Vec<_>>()
     );
-    for h in [Host::A, Host::B] {
-        let w = hosts.acceld_warnings(h);
-        assert!(w.is_empty(), "acceld on {}: {w:#?}", h.name());
-    }
+    no_acceld_warnings(hosts);
     Ok(())
 }
 
@@ -403,13 +427,9 @@ fn virsh_migrate_copy_storage_moves_a_converted_domain_with_its_disk() -> Result
 /// direct on the destination, forgotten on the source, 0 guest errors.
 #[test]
 fn failed_migrations_leave_the_domain_on_its_source_and_p2p_moves_it() -> Result<()> {
-    let _one = one_at_a_time();
-    if skip() {
-        return Ok(());
-    }
-    let (kernel, initrd) = ensure_guest()?;
-    let hosts = TwoHosts::up()?;
-    let d = Dom::define(&hosts, "xhost-fail", 4, true, false, &kernel, &initrd)?;
+    let Some(t) = setup()? else { return Ok(()) };
+    let (hosts, kernel, initrd) = (&t.hosts, &t.kernel, &t.initrd);
+    let d = Dom::define(hosts, "xhost-fail", 4, true, false, kernel, initrd)?;
     hosts.virsh(Host::A, &["start", d.name])?;
     let mut serial = hosts.serial(Host::A, &d.serial)?;
     serial.wait_for("READY", Duration::from_secs(180))?;
@@ -450,7 +470,7 @@ fn failed_migrations_leave_the_domain_on_its_source_and_p2p_moves_it() -> Result
     still_on_a(&mut serial, "a migration the destination refused")?;
     hosts.virsh(Host::B, &["undefine", d.name])?;
     // 3. Peer to peer.
-    let h = hop(&hosts, &d, Host::A, &["--p2p"])?;
+    let h = hop(hosts, &d, Host::A, &["--p2p"])?;
     println!(
         "--p2p: virsh migrate {} ms, downtime {} ms",
         h.wall_ms, h.downtime_ms
@@ -474,24 +494,11 @@ fn failed_migrations_leave_the_domain_on_its_source_and_p2p_moves_it() -> Result
 /// cleared on the last host the raw disk goes back to direct. 0 guest errors, images match.
 #[test]
 fn qcow2_and_throttled_disks_migrate_on_the_qemu_engine() -> Result<()> {
-    let _one = one_at_a_time();
-    if skip() {
-        return Ok(());
-    }
-    let (kernel, initrd) = ensure_guest()?;
-    let hosts = TwoHosts::up()?;
-    let q = Dom::define_with(
-        &hosts,
-        "xhost-qcow2",
-        5,
-        true,
-        false,
-        true,
-        &kernel,
-        &initrd,
-    )?;
-    run(&hosts, &q, 2, &[], Duration::ZERO)?;
-    let t = Dom::define(&hosts, "xhost-throttled", 6, true, false, &kernel, &initrd)?;
+    let Some(t) = setup()? else { return Ok(()) };
+    let (hosts, kernel, initrd) = (&t.hosts, &t.kernel, &t.initrd);
+    let q = Dom::define_with(hosts, "xhost-qcow2", 5, true, false, true, kernel, initrd)?;
+    run(hosts, &q, 2, &[], Duration::ZERO)?;
+    let t = Dom::define(hosts, "xhost-throttled", 6, true, false, kernel, initrd)?;
     t.engine.set("qemu");
     let iotune = |h: Host, extra: &[&str]| {
         let mut a = vec!["blkdeviotune", t.name, "vda"];
@@ -500,7 +507,7 @@ fn qcow2_and_throttled_disks_migrate_on_the_qemu_engine() -> Result<()> {
     };
     // Both hops under the throttle, then cleared on A: the disk goes direct again.
     run_then(
-        &hosts,
+        hosts,
         &t,
         2,
         &[],
@@ -517,5 +524,180 @@ fn qcow2_and_throttled_disks_migrate_on_the_qemu_engine() -> Result<()> {
             Ok(())
         },
     )?;
+    Ok(())
+}
+
+// ---- Management without libvirt (Proxmox style): plain QMP across the two hosts ----
+
+/// The QMP socket QEMU serves to acceld, in each host's private /run.
+const VM_QMP: &str = "/run/accel-qemu/vm1-qmp.sock";
+const DRIVE_ID: &str = "d0";
+
+/// `accelctl register` of vm1 inside host `h` (the drive on the shared image).
+fn register_on(hosts: &TwoHosts, h: Host, img: &Path, incoming: bool) -> Result<()> {
+    hosts.exec(h, &["mkdir", "-p", "/run/accel-qemu"])?;
+    let drive = format!("id={DRIVE_ID},image={},queues=2", img.display());
+    let mut a = vec![
+        "register", "--vm", "vm1", "--qmp", VM_QMP, "--drive", &drive, "--cont",
+    ];
+    if incoming {
+        a.push("--incoming");
+    }
+    hosts.accelctl(h, &a)?;
+    Ok(())
+}
+
+/// vm1's QEMU inside host `h`, with the VM contract of `h`'s acceld and a side monitor on the
+/// shared storage (the test's own look at QEMU).
+fn boot_on(hosts: &TwoHosts, h: Host, extra: &[String]) -> Result<Instance> {
+    let contract: Vec<String> = hosts
+        .accelctl(h, &["qemu-args", "--vm", "vm1", "--memory", "256M"])?
+        .lines()
+        .map(String::from)
+        .collect();
+    let script = crate_script();
+    let prefix = TwoHosts::exec_prefix(h);
+    let prefix: Vec<&str> = prefix.iter().map(String::as_str).collect();
+    Instance::boot_in(
+        &prefix,
+        &contract,
+        &hosts.shared().join(format!("side-{}.sock", h.name())),
+        extra,
+        &script,
+    )
+}
+
+fn crate_script() -> String {
+    writer_script("/dev/vda", WORKERS, BLOCKS)
+}
+
+/// The guest's verdict through QEMU's stdio (the destination QEMU's).
+fn verify_instance(i: &mut Instance, img: &Path) -> Result<()> {
+    i.guest.wait_for("progress=", Duration::from_secs(60))?;
+    i.guest.send_line("STOP")?;
+    let out = i.guest.wait_exit(Duration::from_secs(300))?;
+    if !out.iter().any(|l| l.contains("RESULT: PASS")) {
+        bail!("guest failed:\n{}", out.join("\n"));
+    }
+    assert_eq!(guest_value(&out, "errors")?, "0");
+    assert_eq!(guest_value(&out, "kernel_errors")?, "0");
+    assert_eq!(
+        host_md5(img, u64::from(WORKERS * BLOCKS) * 4096)?,
+        guest_value(&out, "md5")?,
+        "the shared image holds what the guest wrote"
+    );
+    Ok(())
+}
+
+/// vm1 running on A on the direct engine, its writers going; the shared image.
+fn vm_on_a(hosts: &TwoHosts) -> Result<(Instance, PathBuf)> {
+    let img = hosts.shared().join("vm1-d0.raw");
+    std::fs::File::create(&img)?.set_len(64 << 20)?;
+    register_on(hosts, Host::A, &img, false)?;
+    let mut src = boot_on(hosts, Host::A, &[])?;
+    src.guest
+        .wait_for("READY", Duration::from_secs(180))
+        .map_err(|e| anyhow::anyhow!("{e}\nacceld on A:\n{}", hosts.acceld_log(Host::A)))?;
+    hosts.wait_engine(Host::A, "vm1", DRIVE_ID, "direct", Duration::from_secs(20))?;
+    Ok((src, img))
+}
+
+/// The destination, as management starts it on B: registered `--incoming`, its QEMU waiting
+/// on TCP.
+fn destination_on_b(hosts: &TwoHosts, img: &Path) -> Result<(Instance, String)> {
+    register_on(hosts, Host::B, img, true)?;
+    let dst = boot_on(
+        hosts,
+        Host::B,
+        &["-incoming".into(), "tcp:10.77.0.2:4444".into()],
+    )?;
+    dst.wait_status("inmigrate", Duration::from_secs(60))?;
+    Ok((dst, "tcp:10.77.0.2:4444".into()))
+}
+
+/// Proxmox-style management migrates vm1 from A to B over TCP with plain QMP: on B it
+/// registers the VM `--incoming` and starts QEMU with `-incoming tcp:…`; on A it sends
+/// `migrate` (and later `quit`) through acceld's QMP proxy, as it would to QEMU. B's acceld
+/// then serves the disk on the direct engine, A's forgets the VM; the guest sees 0 errors.
+#[test]
+fn plain_qmp_migration_across_hosts_through_the_proxy() -> Result<()> {
+    let Some(t) = setup()? else { return Ok(()) };
+    let hosts = &t.hosts;
+    let (mut src, img) = vm_on_a(hosts)?;
+    src.guest.wait_for("progress=", Duration::from_secs(60))?;
+    let (mut dst, uri) = destination_on_b(hosts, &img)?;
+    hosts.wait_engine(Host::B, "vm1", DRIVE_ID, "held", Duration::from_secs(20))?;
+    // Management's QMP on A: acceld's proxy for vm1.
+    let proxy = SideQmp::connect(&hosts.root(Host::A)?.join("run/accel/vm1/monitor.sock"))?;
+    proxy.cmd(
+        "migrate-set-capabilities",
+        json!({"capabilities": [{"capability": "events", "state": true}]}),
+    )?;
+    let mut events = proxy.subscribe();
+    proxy.cmd("migrate", json!({ "uri": uri }))?;
+    let m = wait_migration_end(&proxy, &mut events, Duration::from_secs(120))?;
+    dst.wait_status("running", Duration::from_secs(30))?;
+    hosts.wait_engine(Host::B, "vm1", DRIVE_ID, "direct", Duration::from_secs(20))?;
+    proxy.cmd("quit", Value::Null)?;
+    src.guest.wait_exit(Duration::from_secs(30))?;
+    hosts.wait_forgotten(Host::A, "vm1", Duration::from_secs(20))?;
+    println!(
+        "plain QMP migration A -> B over TCP through A's proxy: downtime {} ms, total {} ms",
+        m["downtime"], m["total-time"]
+    );
+    verify_instance(&mut dst, &img)?;
+    no_acceld_warnings(hosts);
+    Ok(())
+}
+
+/// `accelctl migrate` to another host's acceld: its control socket reached by another path
+/// (here `/proc/PID/root/…` of the host; between machines an `ssh -L` unix-socket forward),
+/// given as `--to`; the destination QEMU started on B once accelctl registered the VM there.
+#[test]
+fn accelctl_migrate_reaches_another_hosts_acceld() -> Result<()> {
+    let Some(t) = setup()? else { return Ok(()) };
+    let hosts = &t.hosts;
+    let (mut src, img) = vm_on_a(hosts)?;
+    src.guest.wait_for("progress=", Duration::from_secs(60))?;
+    let (ra, rb) = (
+        hosts.root(Host::A)?.join("run/accel"),
+        hosts.root(Host::B)?.join("run/accel"),
+    );
+    let mut mig = Command::new(accelctl_bin()?)
+        .arg("--run-dir")
+        .arg(&ra)
+        .args(["migrate", "vm1", "--to"])
+        .arg(&rb)
+        .args(["--dest-qmp", VM_QMP, "--uri", "tcp:10.77.0.2:4444"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    // accelctl registers vm1 on B (incoming) and waits for its QEMU: start it.
+    let t0 = Instant::now();
+    while !hosts.vms(Host::B)?.iter().any(|v| v == "vm1") {
+        if t0.elapsed() > Duration::from_secs(60) {
+            let _ = mig.kill();
+            bail!("accelctl migrate did not register vm1 on B");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    hosts.exec(Host::B, &["mkdir", "-p", "/run/accel-qemu"])?;
+    let mut dst = boot_on(
+        hosts,
+        Host::B,
+        &["-incoming".into(), "tcp:10.77.0.2:4444".into()],
+    )?;
+    let out = mig.wait_with_output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "accelctl migrate: {said}");
+    println!("{said}");
+    hosts.wait_engine(Host::B, "vm1", DRIVE_ID, "direct", Duration::from_secs(20))?;
+    src.guest.wait_exit(Duration::from_secs(30))?;
+    hosts.wait_forgotten(Host::A, "vm1", Duration::from_secs(20))?;
+    verify_instance(&mut dst, &img)?;
     Ok(())
 }

@@ -105,6 +105,7 @@ impl ServerOptions {
             werror: self.werror,
             rerror: self.rerror,
             model: self.model,
+            chs: None,
         }
     }
 }

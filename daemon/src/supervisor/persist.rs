@@ -22,6 +22,10 @@ pub struct SavedDrive {
     /// The image as registered (older state files lack it: resolved at restore).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<super::permit::ImageRef>,
+    /// The CHS geometry the guest was shown (guessed once, from the disk's first sector at
+    /// registration, as QEMU does at its device's start; kept across acceld restarts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chs: Option<accel_dataplane::virtio_blk::Chs>,
 }
 
 impl SavedDrive {
@@ -36,6 +40,7 @@ impl SavedDrive {
             pin: None,
             throttle,
             image: None,
+            chs: None,
         }
     }
 }

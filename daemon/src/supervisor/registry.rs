@@ -194,6 +194,16 @@ impl Supervisor {
         } else {
             qemu_img_virtual_size(&image.path, &spec.format, owner)?
         };
+        // The geometry QEMU's virtio-blk would show: from the disk's first sector (a raw
+        // image's own; other formats: by size), kept once shown.
+        let chs = sd.chs.or_else(|| {
+            let first = (spec.format == "raw")
+                .then(|| first_sector(&image))
+                .flatten();
+            first
+                .as_ref()
+                .map(|b| accel_dataplane::virtio_blk::guess_chs(size >> 9, Some(b)))
+        });
         let socket = dir.join(format!("{}.sock", spec.id));
         if socket.as_os_str().len() >= 108 {
             return Err(SupError::Invalid(format!(
@@ -223,6 +233,7 @@ impl Supervisor {
             } else {
                 DeviceModel::VirtioBlk
             },
+            chs,
         }
         .checked()
         .map_err(|e| match e {
@@ -530,4 +541,24 @@ fn close_inherited_fds() -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// The first 512 bytes of the image, read through a descriptor whose identity is the
+/// image's (no link or rename makes this read another file); None if it cannot be read.
+fn first_sector(image: &super::permit::ImageRef) -> Option<[u8; 512]> {
+    use std::io::Read;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_NOFOLLOW)
+        .open(&image.path)
+        .ok()?;
+    let m = f.metadata().ok()?;
+    let kind_ok = m.is_file() || m.file_type().is_block_device();
+    if !kind_ok || accel_dataplane::engine::file::ImageId::of(&m) != image.id {
+        return None;
+    }
+    let mut b = [0u8; 512];
+    f.read_exact(&mut b).ok()?;
+    Some(b)
 }

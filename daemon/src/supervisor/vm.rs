@@ -135,6 +135,7 @@ impl Vm {
                         pin: if i.pin_persistent { i.pin } else { None },
                         throttle: i.throttle.clone(),
                         image: Some(d.image()),
+                        chs: d.drive.config().chs,
                     }
                 })
                 .collect(),

@@ -61,6 +61,9 @@ pub struct DriveConfig {
     /// Whose device the guest sees: QEMU's virtio-blk's, or (a drive that may lend its
     /// rings) QEMU's vhost-user-blk export's.
     pub model: DeviceModel,
+    /// The CHS geometry the virtio-blk model shows (QEMU guesses it from the disk's first
+    /// sector at the device's start: [`crate::virtio_blk::guess_chs`]); None: by size.
+    pub chs: Option<crate::virtio_blk::Chs>,
 }
 
 // The control API checks serials against the same bound the device answers with.
@@ -244,8 +247,11 @@ impl Drive {
             DeviceModel::Export => BlkConfig::qemu_like(sectors, bs, q),
             DeviceModel::VirtioBlk => {
                 // QEMU guesses the geometry once, at the device's start: a resize keeps it.
-                let mut c =
-                    BlkConfig::virtio_blk_like(self.cfg.capacity_bytes >> SECTOR_SHIFT, bs, q);
+                let at_start = self.cfg.capacity_bytes >> SECTOR_SHIFT;
+                let mut c = match self.cfg.chs {
+                    Some(chs) => BlkConfig::virtio_blk_with_chs(at_start, bs, q, chs),
+                    None => BlkConfig::virtio_blk_like(at_start, bs, q),
+                };
                 c.capacity = sectors;
                 c
             }
