@@ -331,22 +331,7 @@ impl Guest {
 
     /// Waits for a serial line containing `needle`, up to `timeout`.
     pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<String> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.output.push(l.clone());
-                    if l.contains(needle) {
-                        return Ok(l);
-                    }
-                }
-                Err(_) => bail!(
-                    "guest did not print '{needle}' within {timeout:?}; output:\n{}",
-                    self.output.join("\n")
-                ),
-            }
-        }
+        wait_line(&self.lines, &mut self.output, needle, timeout)
     }
 
     /// Types a line on the guest's serial console (scripts may `read` it from /dev/ttyS0).
@@ -398,6 +383,32 @@ impl Drop for Guest {
         if self.child.try_wait().ok().flatten().is_none() {
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+    }
+}
+
+/// The next line from `lines` containing `needle`, within `timeout`; every line read is kept
+/// in `seen` (and shown if none comes).
+pub fn wait_line(
+    lines: &mpsc::Receiver<String>,
+    seen: &mut Vec<String>,
+    needle: &str,
+    timeout: Duration,
+) -> Result<String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(l) => {
+                seen.push(l.clone());
+                if l.contains(needle) {
+                    return Ok(l);
+                }
+            }
+            Err(_) => bail!(
+                "guest did not print '{needle}' within {timeout:?}; output:\n{}",
+                seen.join("\n")
+            ),
         }
     }
 }

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 
 pub struct Serial {
     stream: UnixStream,
@@ -45,22 +45,7 @@ impl Serial {
 
     /// The next line containing `needle`, within `timeout`.
     pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<String> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.seen.push(l.clone());
-                    if l.contains(needle) {
-                        return Ok(l);
-                    }
-                }
-                Err(_) => bail!(
-                    "guest did not print '{needle}' within {timeout:?}:\n{}",
-                    self.seen.join("\n")
-                ),
-            }
-        }
+        crate::wait_line(&self.lines, &mut self.seen, needle, timeout)
     }
 
     /// The value of the next `key=value` line.

@@ -167,13 +167,7 @@ impl AcceldRun {
     /// One drive's status.
     pub fn drive(&self, vm: &str, drive: &str) -> Result<Value> {
         let st = self.status()?;
-        st["vms"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|v| v["vm"] == vm)
-            .flat_map(|v| v["drives"].as_array().cloned().unwrap_or_default())
-            .find(|d| d["drive"] == drive)
+        drive_in(&st, vm, drive)
             .ok_or_else(|| anyhow!("no drive {vm}/{drive} in status: {st}\n{}", self.log_text()))
     }
 
@@ -329,4 +323,15 @@ pub fn boot_registered(
         format!("unix:{},server=on,wait=off", side_qmp.display()),
     ];
     crate::Guest::boot_contract(&contract, &extra, script)
+}
+
+/// Drive `drive` of `vm` in an acceld status (`accelctl status --json`).
+pub fn drive_in(status: &Value, vm: &str, drive: &str) -> Option<Value> {
+    status["vms"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|v| v["vm"] == vm)
+        .flat_map(|v| v["drives"].as_array().cloned().unwrap_or_default())
+        .find(|d| d["drive"] == drive)
 }

@@ -141,13 +141,7 @@ impl TwoHosts {
     /// Drive `drive` of `vm` in `h`'s acceld's status.
     pub fn drive(&self, h: Host, vm: &str, drive: &str) -> Result<Value> {
         let st = self.status(h)?;
-        st["vms"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|v| v["vm"] == vm)
-            .flat_map(|v| v["drives"].as_array().cloned().unwrap_or_default())
-            .find(|d| d["drive"] == drive)
+        crate::supervised::drive_in(&st, vm, drive)
             .ok_or_else(|| anyhow!("no drive {vm}/{drive} on {}: {st}", h.name()))
     }
 
