@@ -3,6 +3,7 @@
 //! them links the daemon to speak to it.
 
 pub mod control;
+pub mod convert;
 pub mod fdpass;
 pub mod status;
 

@@ -54,14 +54,16 @@ const ALLOWED_CIRCLES: &[(&str, &[&str])] = &[
         ],
     ),
     // The QMP proxy's context: `intercept::Ctx` holds `Shared` (mod.rs), which holds
-    // `hold::Holds` and `nbd::MgmtNbd`, while hold.rs and nbd.rs take the whole `Ctx` (for the
-    // supervisor, the VM and `forward` to QEMU) and mod.rs and intercept.rs call them: moving
-    // `Ctx` to a file of its own leaves ctx <-> hold and ctx <-> nbd. Ends when hold and nbd
-    // take their own parts and reach the supervisor through a trait (issue 26, item 5).
+    // `hold::Holds`, `hotplug::Nodes` and `nbd::MgmtNbd`, while hold.rs, hotplug.rs and nbd.rs
+    // take the whole `Ctx` (for the supervisor, the VM and `forward` to QEMU) and mod.rs and
+    // intercept.rs call them: moving `Ctx` to a file of its own leaves ctx <-> hold and so on.
+    // Ends when they take their own parts and reach the supervisor through a trait (issue 26,
+    // item 5).
     (
         "acceld",
         &[
             "qmp_proxy/hold.rs",
+            "qmp_proxy/hotplug.rs",
             "qmp_proxy/intercept.rs",
             "qmp_proxy/mod.rs",
             "qmp_proxy/nbd.rs",

@@ -675,3 +675,359 @@ fn a_converted_domain_looks_like_its_plain_twin() -> Result<()> {
     );
     Ok(())
 }
+
+const HP_TWINS: [&str; 2] = ["accel-hp-plain", "accel-hp-conv"];
+
+/// The hot-plug guest: for each of two disks plugged as vdb, one after the other, what it
+/// sees of it (`hpN …`), 1 MiB written (O_DIRECT) and read back, `hpN DONE`; then `hpN GONE`
+/// once the disk is unplugged.
+const HOTPLUG_SCRIPT: &str = r#"hp() {
+  while [ ! -b /dev/vdb ]; do sleep 0.1; done
+  d=/sys/block/vdb
+  echo "hp$1 view size=$(cat $d/size) ro=$(cat $d/ro) serial=$(cat $d/serial 2>/dev/null) queues=$(ls $d/mq | wc -l) lbs=$(cat $d/queue/logical_block_size) wc=$(cat $d/queue/write_cache) dmax=$(cat $d/queue/discard_max_hw_bytes) depth=$(cat $d/queue/nr_requests)"
+  echo "hp$1 features=$(cat $d/device/features 2>/dev/null)"
+  dd if=/dev/urandom of=/tmp/p bs=64k count=16 2>/dev/null
+  dd if=/tmp/p of=/dev/vdb bs=64k count=16 oflag=direct conv=notrunc 2>/dev/null || echo "hp$1 write-failed"
+  echo "hp$1 md5 wrote=$(md5sum < /tmp/p | cut -d' ' -f1) read=$(dd if=/dev/vdb bs=64k count=16 iflag=direct 2>/dev/null | md5sum | cut -d' ' -f1)"
+  echo "hp$1 DONE"
+  while [ -b /dev/vdb ]; do sleep 0.1; done
+  echo "hp$1 GONE"
+}
+echo READY
+hp 1
+hp 2
+echo HP-END
+"#;
+
+/// The value of `key=` in `line`.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// libvirt's monitor command (through acceld's QMP proxy on the converted domain).
+fn monitor(dom: &str, cmd: &str) -> Result<serde_json::Value> {
+    Ok(serde_json::from_str(&virsh(&[
+        "qemu-monitor-command",
+        dom,
+        cmd,
+    ])?)?)
+}
+
+/// The acceld drives of `dom` other than its boot disk.
+fn plugged_drives(acc: &AcceldRun, dom: &str) -> Result<Vec<serde_json::Value>> {
+    let st = acc.status()?;
+    Ok(st["vms"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|v| v["vm"] == dom)
+        .flat_map(|v| v["drives"].as_array().cloned().unwrap_or_default())
+        .filter(|d| d["drive"] != DRIVE)
+        .collect())
+}
+
+fn wait_plugged(
+    acc: &AcceldRun,
+    dom: &str,
+    engine: Option<&str>,
+) -> Result<Vec<serde_json::Value>> {
+    let t0 = Instant::now();
+    loop {
+        let p = plugged_drives(acc, dom)?;
+        let done = match engine {
+            Some(e) => p.len() == 1 && p[0]["engine"] == e,
+            None => p.is_empty(),
+        };
+        if done {
+            return Ok(p);
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            bail!(
+                "{dom}: hot-plugged drives {p:?}, wanted {engine:?}\n{}",
+                acc.log_text()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `virsh attach-disk --live` and `detach-disk --live` on a converted domain (QEMU as
+/// libvirt-qemu) and on its plain twin: a raw disk and then a qcow2 disk, each plugged while
+/// the guest runs, written and read back by the guest, and unplugged. On the converted
+/// domain acceld serves the raw disk on the direct engine and the qcow2 disk on the qemu
+/// engine, and after the unplug nothing of it is left (no drive, socket, chardev or node);
+/// the guest's view of each disk, virsh's answers and `domblklist` are the plain twin's.
+/// Between the two disks, an attack through libvirt's monitor: a node on a file QEMU's user
+/// owns, the file swapped for a link to a root-only one, then `device_add` on that node:
+/// acceld must not serve it (it opens as QEMU's user), and the answer is QEMU's own.
+#[test]
+fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()> {
+    let _g = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    if std::env::var("ACCEL_LIBVIRT_TESTS").as_deref() == Ok("0") {
+        eprintln!("ACCEL_LIBVIRT_TESTS=0: libvirt test left out");
+        return Ok(());
+    }
+    virsh(&["version"]).context("libvirtd must run (virtlogd -d; libvirtd -d), as .ci/run does")?;
+    let user = libvirt_qemu()?;
+    let (mut kernel, mut initrd) = ensure_guest()?;
+    let dir = tempfile::Builder::new()
+        .prefix("accel-hotplug")
+        .tempdir_in("/var/tmp")?;
+    let d = dir.path();
+    std::os::unix::fs::chown(d, Some(user.uid), Some(user.gid))?;
+    for f in [&mut kernel, &mut initrd] {
+        let to = d.join(f.file_name().unwrap());
+        std::fs::copy(&*f, &to)?;
+        *f = to;
+    }
+    let (acc, wrapper, _cleanup) = with_hook(d, &HP_TWINS)?;
+    let mut seen = Vec::new();
+    for (i, name) in HP_TWINS.into_iter().enumerate() {
+        let conv = i == 1;
+        std::fs::File::create(d.join(format!("{name}.raw")))?.set_len(64 << 20)?;
+        let xml = d.join(format!("{name}.xml"));
+        let text = domain_xml_of(
+            &DomainSpec {
+                name,
+                uuid: format!("0b6f2f9e-5a1c-4e7e-9d1e-acce1d0002{i:02}"),
+                vcpus: 2,
+                script: HOTPLUG_SCRIPT,
+                img: &d.join(format!("{name}.raw")),
+                driver_extra: " discard='unmap'",
+                serial: &d.join(format!("{name}.serial")),
+                qemu_as_root: false,
+            },
+            &kernel,
+            &initrd,
+        )
+        // Free PCIe root ports: q35 plugs devices into them.
+        .replace(
+            "<memballoon model='none'/>",
+            "<controller type='pci' index='0' model='pcie-root'/>\n    <controller type='pci' index='1' model='pcie-root-port'/>\n    <controller type='pci' index='2' model='pcie-root-port'/>\n    <controller type='pci' index='3' model='pcie-root-port'/>\n    <memballoon model='none'/>",
+        );
+        std::fs::write(&xml, text)?;
+        if conv {
+            let out = Command::new(accelctl_bin()?)
+                .args(["libvirt", "convert"])
+                .arg(&xml)
+                .arg("--emulator")
+                .arg(&wrapper)
+                .output()?;
+            assert!(
+                out.status.success(),
+                "convert: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::fs::write(&xml, &out.stdout)?;
+        }
+        virsh(&["define", xml.to_str().unwrap()])?;
+        virsh(&["start", name])?;
+        let mut serial = Serial::connect(&d.join(format!("{name}.serial")))?;
+        serial.wait_for("READY", Duration::from_secs(120))?;
+        let mut answers = Vec::new();
+
+        // A raw disk with a serial.
+        let raw = d.join(format!("{name}-hp.raw"));
+        std::fs::File::create(&raw)?.set_len(32 << 20)?;
+        let t0 = Instant::now();
+        answers.push(virsh(&[
+            "attach-disk",
+            name,
+            raw.to_str().unwrap(),
+            "vdb",
+            "--live",
+            "--targetbus",
+            "virtio",
+            "--driver",
+            "qemu",
+            "--subdriver",
+            "raw",
+            "--cache",
+            "none",
+            "--serial",
+            "HP-SERIAL-1",
+        ])?);
+        let attach = t0.elapsed();
+        answers.push(virsh(&["domblklist", name])?);
+        serial.wait_for("hp1 DONE", Duration::from_secs(60))?;
+        let raw_drive = if conv {
+            let p = wait_plugged(&acc, name, Some("direct"))?;
+            let id = p[0]["drive"].as_str().unwrap_or_default().to_string();
+            assert!(d.join("run").join(name).join(format!("{id}.sock")).exists());
+            Some(id)
+        } else {
+            None
+        };
+        let md5 = serial
+            .seen
+            .iter()
+            .rev()
+            .find(|l| l.contains("hp1 md5"))
+            .cloned()
+            .unwrap_or_default();
+        let wrote = field(&md5, "wrote").unwrap_or_default().to_string();
+        assert_eq!(Some(wrote.as_str()), field(&md5, "read"), "{md5}");
+        assert_eq!(
+            host_md5(&raw, 1 << 20)?,
+            wrote,
+            "the host's image holds the guest's data"
+        );
+        let t0 = Instant::now();
+        answers.push(virsh(&["detach-disk", name, "vdb", "--live"])?);
+        serial.wait_for("hp1 GONE", Duration::from_secs(60))?;
+        let detach = t0.elapsed();
+        answers.push(virsh(&["domblklist", name])?);
+        println!("{name}: raw disk attach {attach:?}, detach until the guest lost it {detach:?}");
+        if let Some(id) = &raw_drive {
+            wait_plugged(&acc, name, None)?;
+            assert!(!d.join("run").join(name).join(format!("{id}.sock")).exists());
+            let nodes = monitor(name, r#"{"execute":"query-named-block-nodes"}"#)?;
+            assert!(
+                !nodes.to_string().contains(raw.to_str().unwrap()),
+                "a node of the unplugged disk is left: {nodes}"
+            );
+            let ch = monitor(name, r#"{"execute":"query-chardev"}"#)?;
+            assert!(!ch.to_string().contains(&format!("{id}-sock")), "{ch}");
+
+            // The attack: a node on a file QEMU's user may open, swapped for a link to one
+            // it may not; acceld opens what the device names as QEMU's user, or nothing.
+            let evil = d.join("evil.raw");
+            std::fs::File::create(&evil)?.set_len(1 << 20)?;
+            std::os::unix::fs::chown(&evil, Some(user.uid), Some(user.gid))?;
+            let secret = d.join("secret.raw");
+            std::fs::write(&secret, vec![0x5a; 1 << 20])?;
+            std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+            monitor(
+                name,
+                &format!(
+                    r#"{{"execute":"blockdev-add","arguments":{{"driver":"file","filename":"{}","node-name":"evil-storage"}}}}"#,
+                    evil.display()
+                ),
+            )?;
+            std::fs::remove_file(&evil)?;
+            std::os::unix::fs::symlink(&secret, &evil)?;
+            // On the root bus, which takes no hot-plug: QEMU's plain device fails too.
+            let r = virsh(&[
+                "qemu-monitor-command",
+                name,
+                r#"{"execute":"device_add","arguments":{"driver":"virtio-blk-pci","drive":"evil-storage","id":"evil0","bus":"pcie.0"}}"#,
+            ]);
+            println!("{name}: device_add on the swapped node: {r:?}");
+            assert!(
+                plugged_drives(&acc, name)?.is_empty(),
+                "acceld serves the swapped node"
+            );
+            assert!(
+                acc.log_text().contains("QEMU's user cannot open"),
+                "acceld's log says why:\n{}",
+                acc.log_text()
+            );
+            monitor(
+                name,
+                r#"{"execute":"blockdev-del","arguments":{"node-name":"evil-storage"}}"#,
+            )?;
+        }
+
+        // A qcow2 disk without a serial.
+        let qcow = d.join(format!("{name}-hp.qcow2"));
+        let st = Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&qcow)
+            .arg("32M")
+            .status()?;
+        assert!(st.success());
+        answers.push(virsh(&[
+            "attach-disk",
+            name,
+            qcow.to_str().unwrap(),
+            "vdb",
+            "--live",
+            "--targetbus",
+            "virtio",
+            "--driver",
+            "qemu",
+            "--subdriver",
+            "qcow2",
+        ])?);
+        serial.wait_for("hp2 DONE", Duration::from_secs(60))?;
+        if conv {
+            wait_plugged(&acc, name, Some("qemu"))?;
+        }
+        let md5 = serial
+            .seen
+            .iter()
+            .rev()
+            .find(|l| l.contains("hp2 md5"))
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(field(&md5, "wrote"), field(&md5, "read"), "{md5}");
+        answers.push(virsh(&["detach-disk", name, "vdb", "--live"])?);
+        serial.wait_for("hp2 GONE", Duration::from_secs(60))?;
+        if conv {
+            wait_plugged(&acc, name, None)?;
+            let nodes = monitor(name, r#"{"execute":"query-named-block-nodes"}"#)?;
+            assert!(
+                !nodes.to_string().contains(qcow.to_str().unwrap()),
+                "{nodes}"
+            );
+            // The boot disk goes on on the direct engine.
+            assert_eq!(acc.drive(name, DRIVE)?["engine"], "direct");
+        }
+        serial.wait_for("HP-END", Duration::from_secs(30))?;
+        wait_state(name, "shut off", Duration::from_secs(60))?;
+        assert!(
+            !serial.seen.iter().any(|l| l.contains("write-failed")),
+            "{:?}",
+            serial.seen
+        );
+        let view: Vec<String> = serial
+            .seen
+            .iter()
+            .filter(|l| l.starts_with("hp") && (l.contains(" view ") || l.contains("features=")))
+            .map(|l| l.trim().to_string())
+            .collect();
+        for l in view.iter().chain(answers.iter()) {
+            println!("{name}: {}", l.trim());
+        }
+        virsh(&["undefine", name])?;
+        seen.push((view, answers));
+    }
+    let (plain, conv) = (&seen[0], &seen[1]);
+    assert_eq!(plain.0.len(), 4, "{:?}", plain.0);
+    // As for the boot disk: the one difference is RING_RESET (bit 40), which acceld does
+    // not offer (see a_converted_domain_looks_like_its_plain_twin).
+    let mask = |l: &str| -> String {
+        match l.split_once("features=") {
+            Some((a, f)) => {
+                let mut f = f.as_bytes().to_vec();
+                if let Some(b) = f.get_mut(40) {
+                    *b = b'0';
+                }
+                format!("{a}features={}", String::from_utf8_lossy(&f))
+            }
+            None => l.to_string(),
+        }
+    };
+    let pv: Vec<String> = plain.0.iter().map(|l| mask(l)).collect();
+    let cv: Vec<String> = conv.0.iter().map(|l| mask(l)).collect();
+    assert_eq!(
+        pv, cv,
+        "the guest tells the hot-plugged disks apart (plain, converted)"
+    );
+    // virsh's answers, with each twin's own name taken out (and so the width of
+    // domblklist's rule).
+    let norm = |s: &str, name: &str| {
+        let mut out = String::new();
+        for c in s.replace(name, "DOM").chars() {
+            if !(c == '-' && out.ends_with('-')) {
+                out.push(c);
+            }
+        }
+        out
+    };
+    let pa: Vec<String> = plain.1.iter().map(|s| norm(s, HP_TWINS[0])).collect();
+    let ca: Vec<String> = conv.1.iter().map(|s| norm(s, HP_TWINS[1])).collect();
+    assert_eq!(pa, ca, "virsh answers differ (plain, converted)");
+    Ok(())
+}

@@ -162,6 +162,13 @@ pub struct BlockdevDel {
 }
 with_args!(BlockdevDel, "blockdev-del", Value);
 
+/// Removes a chardev (a hot-plugged drive's vhost-user socket, once its device is gone).
+#[derive(Clone, Debug, Serialize)]
+pub struct ChardevRemove {
+    pub id: String,
+}
+with_args!(ChardevRemove, "chardev-remove", Value);
+
 /// Makes a device read its config from the backend again and interrupt the guest (QEMU 9.2+,
 /// unstable; refused during a migration).
 #[derive(Clone, Debug, Serialize)]

@@ -206,6 +206,21 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
             Ok(v)
         }
         "human-monitor-command" => hmp(ctx, args).await,
+        "device_add" => super::hotplug::device_add(ctx, args).await,
+        "blockdev-add" => {
+            let r = with_drives(ctx, name, args.clone()).await;
+            if r.is_ok() {
+                ctx.shared.plugged.added(&args);
+            }
+            r
+        }
+        "blockdev-del" => {
+            let r = forward(ctx, name, args.clone()).await;
+            if r.is_ok() {
+                ctx.shared.plugged.deleted(&args);
+            }
+            r
+        }
         "snapshot-save" | "snapshot-load" | "snapshot-delete" => {
             let job = arg(&args, "job-id")
                 .and_then(Value::as_str)

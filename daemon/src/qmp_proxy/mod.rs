@@ -33,6 +33,7 @@ use accel_dataplane::util::LogLimit;
 
 mod fds;
 mod hold;
+mod hotplug;
 mod intercept;
 mod message;
 mod nbd;
@@ -46,6 +47,8 @@ mod throttle;
 pub struct Shared {
     holds: hold::Holds,
     nbd: nbd::MgmtNbd,
+    /// The nodes management added (for its hot-plugged disks).
+    plugged: hotplug::Nodes,
     /// Budget of the log lines management's commands can cause.
     log: LogLimit,
 }
@@ -590,6 +593,9 @@ pub(crate) async fn forward(
 /// its MIGRATION `setup` event arriving before the reply).
 type Handled = Arc<AtomicU64>;
 
+/// Longest a `DEVICE_DELETED` event waits for the end of the drive whose device it names.
+const UNPLUG_WAIT: Duration = Duration::from_secs(15);
+
 /// Longest a reply waits for the events before it.
 const EVENT_ORDER_WAIT: Duration = Duration::from_millis(200);
 
@@ -680,6 +686,20 @@ async fn forward_one(
         {
             if let Some(k) = log.admit() {
                 warn!(vm = %vm, "pre-switchover: acceld's part did not finish in 30 s; passing the event on{}", accel_dataplane::util::suppressed(k));
+            }
+        }
+    }
+    if ev.name == "DEVICE_DELETED" {
+        if let Some(dev) = ev.data["device"].as_str() {
+            // A drive's device: management deletes the drive's nodes when it sees this, so
+            // the drive ends and QEMU has its nodes back first.
+            if tokio::time::timeout(UNPLUG_WAIT, sup.unplug(vm, dev))
+                .await
+                .is_err()
+            {
+                if let Some(k) = log.admit() {
+                    warn!(vm = %vm, device = dev, "DEVICE_DELETED: acceld's part did not finish in {UNPLUG_WAIT:?}; passing the event on{}", accel_dataplane::util::suppressed(k));
+                }
             }
         }
     }

@@ -28,7 +28,7 @@ impl Supervisor {
             "-object".into(),
             format!("iothread,id={}", self.cfg.iothread),
         ];
-        for d in vmr.drives.values() {
+        for d in &vmr.drives() {
             let s = &d.spec;
             let ro = if s.read_only { ",read-only=on" } else { "" };
             let direct = if s.direct { "on" } else { "off" };

@@ -191,7 +191,7 @@ impl Supervisor {
     /// Ends acceld's copy-storage mirrors at the switchover (the VM is stopped): a cancelled
     /// READY mirror finishes with its target in sync; then its target node goes.
     async fn finish_mirrors(&self, vm: &Vm, qmp: &Qmp) {
-        for d in vm.drives.values() {
+        for d in &vm.drives() {
             let job = mirror_job(d.id());
             let Ok(jobs) = qmp_run(qmp, &QueryBlockJobs).await else {
                 return;
@@ -327,8 +327,8 @@ impl Supervisor {
     /// migration runs (capabilities cannot change during one).
     pub(super) async fn tune_migration_caps(&self, vm: &Vm, qmp: &Qmp) -> Result<(), SupError> {
         let any_qemu = vm
-            .drives
-            .values()
+            .drives()
+            .iter()
             .any(|d| d.engine_kind() == EngineKind::Qemu);
         let owner = *lock(&vm.pause_owner);
         let want = match owner {
@@ -375,7 +375,7 @@ impl Supervisor {
         let t0 = std::time::Instant::now();
         self.finish_mirrors(vm, qmp).await;
         let mut n = 0;
-        for d in vm.drives.values() {
+        for d in &vm.drives() {
             let _g = d.op.lock().await;
             if d.engine_kind() != EngineKind::Qemu {
                 continue;

@@ -303,12 +303,12 @@ impl Supervisor {
         // Every server drains at once: the shutdown bound holds for all of them together.
         for vm in &vms {
             vm.stop_task();
-            for d in vm.drives.values() {
+            for d in &vm.drives() {
                 d.signal_stop();
             }
         }
         for vm in &vms {
-            for d in vm.drives.values() {
+            for d in &vm.drives() {
                 d.stop_server();
                 // Drop image locks now rather than when the kernel tears the rings down.
                 d.drive.engine().release();

@@ -24,6 +24,10 @@ use accel_dataplane::vhost::Server;
 const HANDBACK_DEADLINE: Duration = Duration::from_secs(15);
 /// Longest an unregister (or QEMU's end) waits for the VM's drives to stop serving.
 const TEARDOWN_DEADLINE: Duration = Duration::from_secs(15);
+/// Longest a hot-plugged disk's open (as QEMU's user) and start may take.
+const OPEN_DEADLINE: Duration = Duration::from_secs(15);
+/// Most drives one VM has (registered and hot-plugged): a PCI bus of QEMU's holds fewer.
+const MAX_DRIVES: usize = 256;
 
 /// What `register` answers.
 #[derive(Clone, Debug, Serialize)]
@@ -99,7 +103,7 @@ impl Supervisor {
         self.save();
         Ok(Registered {
             vm: vmr.name.clone(),
-            sockets: vmr.drives.values().map(|d| d.socket.clone()).collect(),
+            sockets: vmr.drives().iter().map(|d| d.socket.clone()).collect(),
         })
     }
 
@@ -129,7 +133,7 @@ impl Supervisor {
         create_owned_dir(&dir, owner)?;
         let mut slots = BTreeMap::new();
         for sd in drives {
-            match self.start_drive(&name, &dir, sd, owner) {
+            match self.start_drive(&name, &dir, sd, owner, false) {
                 Ok(s) => {
                     slots.insert(s.spec.id.clone(), s);
                 }
@@ -157,6 +161,7 @@ impl Supervisor {
         dir: &Path,
         sd: SavedDrive,
         owner: Option<super::Owner>,
+        by_identity: bool,
     ) -> Result<Arc<ManagedDrive>, SupError> {
         let spec = sd.spec;
         if !spec.image.exists() {
@@ -186,7 +191,16 @@ impl Supervisor {
                 None => super::permit::ImageRef::resolve(&spec.image)?,
             },
         };
-        let size = if spec.format == "raw" {
+        let size = if spec.format == "raw" && by_identity {
+            // A path QEMU's user named: read through a descriptor of the image's identity.
+            image_bytes(&image).ok_or_else(|| {
+                SupError::Denied(format!(
+                    "drive {}: {} is no longer the file QEMU's user opened",
+                    spec.id,
+                    image.path.display()
+                ))
+            })?
+        } else if spec.format == "raw" {
             image_size(&spec.image).map_err(|source| SupError::Io {
                 what: format!("cannot read the size of {}", spec.image.display()),
                 source,
@@ -364,28 +378,178 @@ impl Supervisor {
         qmp: &Arc<qmp_client::Qmp>,
         handed: &mut Vec<String>,
     ) -> Result<(), SupError> {
-        for d in vm.drives.values() {
+        for d in &vm.drives() {
             let _g = d.op.lock().await;
-            match d.engine_kind() {
-                EngineKind::Direct => {
-                    // Give QEMU its nodes back; the guest's device loses its server anyway.
-                    let dr = d.drive.clone();
-                    let paused = offload::blocking(move || dr.pause()).await?;
-                    d.drive.engine().release();
-                    let r = self.restore_nodes(d, qmp).await;
-                    let _ = offload::blocking(move || paused.resume(Arc::new(HeldEngine))).await;
-                    d.set_engine(EngineKind::Held);
-                    r?;
-                    handed.push(d.spec.id.clone());
-                }
-                EngineKind::Qemu => {
-                    d.drive.engine().release();
-                    let _ = self.qemu_down(d, qmp).await;
-                }
-                EngineKind::Held => {}
+            if self.give_back(d, qmp).await? {
+                handed.push(d.spec.id.clone());
             }
         }
         Ok(())
+    }
+
+    /// One drive back to QEMU (its `op` lock held): a direct drive's nodes are re-created
+    /// (true), acceld's export and filter of a drive on the qemu engine go; the drive is held
+    /// after.
+    async fn give_back(
+        &self,
+        d: &Arc<ManagedDrive>,
+        qmp: &qmp_client::Qmp,
+    ) -> Result<bool, SupError> {
+        d.stop_lending().await;
+        match d.engine_kind() {
+            EngineKind::Direct => {
+                // Give QEMU its nodes back; the guest's device loses its server anyway.
+                let dr = d.drive.clone();
+                let paused = offload::blocking(move || dr.pause()).await?;
+                d.drive.engine().release();
+                let r = self.restore_nodes(d, qmp).await;
+                let _ = offload::blocking(move || paused.resume(Arc::new(HeldEngine))).await;
+                d.set_engine(EngineKind::Held);
+                r?;
+                Ok(true)
+            }
+            EngineKind::Qemu => {
+                d.drive.engine().release();
+                let _ = self.qemu_down(d, qmp).await;
+                Ok(false)
+            }
+            EngineKind::Held => Ok(false),
+        }
+    }
+
+    /// Serves a disk management hot-plugs (the QMP proxy's `device_add` of a virtio-blk-pci
+    /// device on a node it added): a drive of the VM, held until [`Supervisor::plugged`]
+    /// says whether QEMU took the vhost-user-blk-pci device. The image is opened as QEMU's
+    /// user could (its credentials, on a thread of its own): management's client, or QEMU's
+    /// user through the monitor relay, can name any path. Returns the drive's socket.
+    pub async fn plug(
+        self: &Arc<Self>,
+        vm: &str,
+        mut spec: DriveSpec,
+    ) -> Result<PathBuf, SupError> {
+        let vmr = self.vm(vm)?;
+        spec.validate().map_err(|e| SupError::Invalid(e.0))?;
+        let _g = vmr.plugging.lock().await;
+        if vmr.drive(&spec.id).is_ok() {
+            return Err(SupError::Exists(format!(
+                "VM {vm} has a drive {} already",
+                spec.id
+            )));
+        }
+        if vmr.drives().len() >= MAX_DRIVES {
+            return Err(SupError::Invalid(format!(
+                "VM {vm} has {MAX_DRIVES} drives already"
+            )));
+        }
+        let qmp = vmr.qmp()?;
+        let who = match (vmr.owner, qmp.peer_pid()) {
+            (Some(o), _) => super::permit::Creds::of_owner(o),
+            (None, Some(pid)) => super::permit::Creds::of_process(pid)
+                .map_err(|e| SupError::Denied(format!("QEMU's credentials are unknown: {e}")))?,
+            (None, None) => {
+                return Err(SupError::Denied("QEMU's process is unknown".into()));
+            }
+        };
+        let (path, ro) = (spec.image.clone(), spec.read_only);
+        let image = offload::blocking_within(OPEN_DEADLINE, move || {
+            super::permit::ImageRef::resolve_as(&path, who, ro)
+        })
+        .await
+        .unwrap_or_else(|| {
+            Err(SupError::Invalid(format!(
+                "the open did not return within {OPEN_DEADLINE:?}"
+            )))
+        })
+        .map_err(|e| {
+            SupError::Denied(format!(
+                "drive {}: QEMU's user cannot open {}: {}",
+                spec.id,
+                spec.image.display(),
+                e.chain()
+            ))
+        })?;
+        spec.image = image.path.clone();
+        let mut sd = SavedDrive::new(spec);
+        sd.image = Some(image);
+        let (sup, name, dir, owner) = (self.clone(), vmr.name.clone(), vmr.dir.clone(), vmr.owner);
+        let d = offload::blocking_within(OPEN_DEADLINE, move || {
+            sup.start_drive(&name, &dir, sd, owner, true)
+        })
+        .await
+        .unwrap_or_else(|| {
+            Err(SupError::Invalid(format!(
+                "the drive did not start within {OPEN_DEADLINE:?}"
+            )))
+        })?;
+        let socket = d.socket.clone();
+        if !vmr.add_drive(d.clone()) {
+            offload::blocking(move || d.stop_server()).await;
+            return Err(SupError::Exists(format!("VM {vm} has that drive already")));
+        }
+        info!(vm = %vm, drive = %d.spec.id, image = %d.image().path.display(), "hot-plugged disk: serving it");
+        Ok(socket)
+    }
+
+    /// Whether the VM's drives lend their rings (`lend=on`): a hot-plugged disk does as
+    /// they do.
+    pub fn vm_lends(&self, vm: &str) -> bool {
+        self.vm(vm)
+            .is_ok_and(|v| v.drives().iter().any(|d| d.spec.lend))
+    }
+
+    /// QEMU took the hot-plugged drive's device (`device` is its id), or refused it (None:
+    /// the drive goes).
+    pub async fn plugged(&self, vm: &str, drive: &str, device: Option<&str>) {
+        let Ok(vmr) = self.vm(vm) else { return };
+        let Ok(d) = vmr.drive(drive) else { return };
+        match device {
+            Some(dev) => {
+                lock(&d.graph).device = Some(dev.to_string());
+                self.save();
+                vmr.kick.notify_one();
+            }
+            None => {
+                let _g = vmr.plugging.lock().await;
+                vmr.remove_drive(&d);
+                offload::blocking(move || d.stop_server()).await;
+            }
+        }
+    }
+
+    /// QEMU deleted a drive's device (`DEVICE_DELETED`: management's `device_del` or
+    /// `detach-disk`, or the guest's own eject): the drive ends. QEMU gets back what a
+    /// virtio-blk-pci device's removal leaves, so that management's `blockdev-del` of the
+    /// nodes finds them: a direct drive's nodes, and no export or filter of acceld's, nor
+    /// the device's chardev. Idempotent (each proxy client and the VM's task call it); false
+    /// when no drive of the VM had that device.
+    pub async fn unplug(&self, vm: &str, device: &str) -> bool {
+        let Ok(vmr) = self.vm(vm) else { return false };
+        let _g = vmr.plugging.lock().await;
+        let Some(d) = vmr
+            .drives()
+            .into_iter()
+            .find(|d| lock(&d.graph).device.as_deref() == Some(device))
+        else {
+            return false;
+        };
+        {
+            let _op = d.op.lock().await;
+            if let Ok(qmp) = vmr.qmp() {
+                if let Err(e) = self.give_back(&d, &qmp).await {
+                    warn!(vm = %vm, drive = %d.spec.id, "unplugged, but QEMU did not take its nodes back: {}", e.chain());
+                }
+                let id = accel_api::convert::chardev_id(d.id());
+                let rm = qmp_client::commands::ChardevRemove { id };
+                let _ = super::qmp_run(&qmp, &rm).await;
+            }
+            lock(&d.graph).device = None;
+        }
+        vmr.remove_drive(&d);
+        let d2 = d.clone();
+        offload::blocking(move || d2.stop_server()).await;
+        self.save();
+        info!(vm = %vm, drive = %d.spec.id, device, "device deleted: the drive is no longer served");
+        true
     }
 
     /// Stops serving the VM and ends its permit (QEMU is gone).
@@ -397,7 +561,7 @@ impl Supervisor {
     /// on the qemu engine fail first: an export that stopped answering (a wedged or
     /// compromised QEMU) would hold the drain, and so the teardown, for good.
     async fn forget(self: &Arc<Self>, vm: &Arc<Vm>, keep_permit: bool) {
-        for d in vm.drives.values() {
+        for d in &vm.drives() {
             let e = d.drive.engine();
             if e.kind() == EngineKind::Qemu {
                 e.release();
@@ -415,7 +579,7 @@ impl Supervisor {
 
     fn forget_vm_keeping(&self, vm: &Arc<Vm>, keep_permit: bool) {
         vm.set_qmp(None);
-        for d in vm.drives.values() {
+        for d in &vm.drives() {
             d.stop_server();
         }
         let _ = std::fs::remove_file(vm.nbd_socket());
@@ -543,12 +707,11 @@ fn close_inherited_fds() -> std::io::Result<()> {
     Ok(())
 }
 
-/// The first 512 bytes of the image, read through a descriptor whose identity is the
-/// image's (no link or rename makes this read another file); None if it cannot be read.
-fn first_sector(image: &super::permit::ImageRef) -> Option<[u8; 512]> {
-    use std::io::Read;
+/// The image opened read-only without following links, if it is still the file of the
+/// image's identity (no link or rename makes the caller read another file).
+fn open_identified(image: &super::permit::ImageRef) -> Option<(std::fs::File, std::fs::Metadata)> {
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-    let mut f = std::fs::OpenOptions::new()
+    let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_NOFOLLOW)
         .open(&image.path)
@@ -558,6 +721,24 @@ fn first_sector(image: &super::permit::ImageRef) -> Option<[u8; 512]> {
     if !kind_ok || accel_dataplane::engine::file::ImageId::of(&m) != image.id {
         return None;
     }
+    Some((f, m))
+}
+
+/// The image's size in bytes (a block device's too), read through [`open_identified`].
+fn image_bytes(image: &super::permit::ImageRef) -> Option<u64> {
+    use std::io::{Seek, SeekFrom};
+    let (mut f, m) = open_identified(image)?;
+    if m.is_file() {
+        return Some(m.len());
+    }
+    f.seek(SeekFrom::End(0)).ok()
+}
+
+/// The first 512 bytes of the image, read through [`open_identified`]; None if it cannot
+/// be read.
+fn first_sector(image: &super::permit::ImageRef) -> Option<[u8; 512]> {
+    use std::io::Read;
+    let (mut f, _) = open_identified(image)?;
     let mut b = [0u8; 512];
     f.read_exact(&mut b).ok()?;
     Some(b)

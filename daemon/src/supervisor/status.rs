@@ -146,7 +146,7 @@ impl Supervisor {
     /// Updates every drive's rates (called about once a second).
     pub fn sample_rates(&self) {
         for vm in self.all_vms() {
-            for d in vm.drives.values() {
+            for d in &vm.drives() {
                 let s = &d.drive.stats;
                 let ops = s.reads.load(Ordering::Relaxed) + s.writes.load(Ordering::Relaxed);
                 let bytes =
@@ -181,7 +181,7 @@ impl Supervisor {
                     attached: vm.qmp().is_ok(),
                     run_state: lock(&vm.run_state).clone(),
                     attach_error: lock(&vm.attach_error).clone(),
-                    drives: vm.drives.values().map(|d| drive_status(vm, d)).collect(),
+                    drives: vm.drives().iter().map(|d| drive_status(vm, d)).collect(),
                     incoming: vm.incoming,
                     migration: lock(&vm.migration).clone(),
                     monitor: Some(self.monitor_socket(&vm.name)),

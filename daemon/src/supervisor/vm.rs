@@ -29,7 +29,9 @@ pub struct Vm {
     pub dir: PathBuf,
     /// QEMU's user when not root (it registered through a permit): the VM's sockets are theirs.
     pub owner: Option<super::Owner>,
-    pub drives: BTreeMap<String, Arc<ManagedDrive>>,
+    /// The drives by id: those registered, and those hot-plugged since (`device_add` through
+    /// the QMP proxy) less those unplugged.
+    drives: Mutex<BTreeMap<String, Arc<ManagedDrive>>>,
     qmp: Mutex<Option<Arc<Qmp>>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     pub(super) attach_error: Mutex<Option<String>>,
@@ -42,6 +44,10 @@ pub struct Vm {
     /// proxy holds the event back from management until then).
     pub(super) switchover_done: tokio::sync::watch::Sender<(i64, i64)>,
     continued: AtomicBool,
+    /// One hot-plug or unplug at a time.
+    pub(super) plugging: tokio::sync::Mutex<()>,
+    /// Wakes the VM's task to look at its drives now (a disk was plugged).
+    pub(super) kick: tokio::sync::Notify,
     /// Budget of the lines about this VM that repeat (attach retries).
     log: LogLimit,
 }
@@ -63,7 +69,7 @@ impl Vm {
             incoming,
             dir,
             owner,
-            drives,
+            drives: Mutex::new(drives),
             switchover_done: tokio::sync::watch::Sender::new((0, 0)),
             qmp: Mutex::new(None),
             task: Mutex::new(None),
@@ -72,6 +78,8 @@ impl Vm {
             migration: Mutex::new(None),
             pause_owner: Mutex::new(super::migration::PauseOwner::default()),
             continued: AtomicBool::new(false),
+            plugging: tokio::sync::Mutex::new(()),
+            kick: tokio::sync::Notify::new(),
             log: LogLimit::default(),
         }
     }
@@ -91,8 +99,31 @@ impl Vm {
         self.dir.join("nbd.sock")
     }
 
+    /// The VM's drives now, in id order.
+    pub fn drives(&self) -> Vec<Arc<ManagedDrive>> {
+        lock(&self.drives).values().cloned().collect()
+    }
+
+    /// Adds a hot-plugged drive; false if the VM has a drive of that id already.
+    pub(super) fn add_drive(&self, d: Arc<ManagedDrive>) -> bool {
+        let mut m = lock(&self.drives);
+        if m.contains_key(d.id()) {
+            return false;
+        }
+        m.insert(d.id().to_string(), d);
+        true
+    }
+
+    /// Takes an unplugged drive out of the VM.
+    pub(super) fn remove_drive(&self, d: &Arc<ManagedDrive>) {
+        let mut m = lock(&self.drives);
+        if m.get(d.id()).is_some_and(|x| Arc::ptr_eq(x, d)) {
+            m.remove(d.id());
+        }
+    }
+
     pub(super) fn drive(&self, id: &str) -> Result<Arc<ManagedDrive>, SupError> {
-        self.drives
+        lock(&self.drives)
             .get(id)
             .cloned()
             .ok_or_else(|| SupError::NotFound(format!("VM {} has no drive {id}", self.name)))
@@ -116,8 +147,8 @@ impl Vm {
             pause_owned: *lock(&self.pause_owner) == super::migration::PauseOwner::Acceld(true),
             owner: self.owner,
             drives: self
-                .drives
-                .values()
+                .drives()
+                .iter()
                 .map(|d| {
                     let g = lock(&d.graph);
                     let i = lock(&d.intent);
@@ -285,6 +316,12 @@ impl Supervisor {
                 ev = events.recv() => match ev {
                     Ok(ev) => {
                         debug!(vm = %vm.name, event = %ev.name, "QMP event");
+                        if let ("DEVICE_DELETED", Some(dev)) = (ev.name.as_str(), ev.data["device"].as_str()) {
+                            // A drive's device went (management's device_del, the guest's
+                            // eject): the drive ends. The QMP proxy holds the event back from
+                            // management until this is done.
+                            self.unplug(&vm.name, dev).await;
+                        }
                         // The migration waits at pre-switchover: acceld's part comes first
                         // (it is the guest's downtime).
                         if pre_switchover(&ev) {
@@ -319,6 +356,10 @@ impl Supervisor {
                     }
                     self.reconcile_vm(vm, false).await;
                 }
+                _ = vm.kick.notified() => {
+                    // A disk was plugged: its first engine now (the guest waits for it).
+                    self.reconcile_vm(vm, true).await;
+                }
             }
         }
     }
@@ -330,7 +371,7 @@ impl Supervisor {
         if vm.incoming && vm.cont && !vm.continued.load(Ordering::Relaxed) {
             self.cont_after_incoming(vm, &qmp).await;
         }
-        for d in vm.drives.values() {
+        for d in &vm.drives() {
             if let Err(e) = self.reconcile(vm, d, &qmp, urgent).await {
                 if qmp.is_closed() {
                     // QEMU quit (after a completed migration on the source, a shutdown): an
@@ -354,8 +395,8 @@ impl Supervisor {
         if let Ok(st) = qmp_run(&qmp, &QueryStatus).await {
             *lock(&vm.run_state) = st.status.clone();
             let all_served = vm
-                .drives
-                .values()
+                .drives()
+                .iter()
                 .all(|d| d.engine_kind() != accel_api::status::EngineKind::Held);
             let migration = qmp_run(&qmp, &QueryMigrate)
                 .await
@@ -532,7 +573,7 @@ async fn find_devices(vm: &Vm, qmp: &Qmp) -> Result<(), SupError> {
             found.insert(path.clone(), p.name.clone());
         }
     }
-    for d in vm.drives.values() {
+    for d in &vm.drives() {
         let dev = found.get(&d.socket).cloned();
         if dev.is_none() {
             warn!(vm = %vm.name, drive = %d.spec.id, socket = %d.socket.display(), "no vhost-user-blk-pci device uses this drive's socket");
