@@ -680,7 +680,7 @@ const HP_TWINS: [&str; 2] = ["accel-hp-plain", "accel-hp-conv"];
 
 /// The hot-plug guest: for each of two disks plugged as vdb, one after the other, what it
 /// sees of it (`hpN …`), 1 MiB written (O_DIRECT) and read back, `hpN DONE`; then `hpN GONE`
-/// once the disk is unplugged.
+/// once the disk is unplugged; `HP-END` after a line on its console.
 const HOTPLUG_SCRIPT: &str = r#"hp() {
   while [ ! -b /dev/vdb ]; do sleep 0.1; done
   d=/sys/block/vdb
@@ -696,6 +696,7 @@ const HOTPLUG_SCRIPT: &str = r#"hp() {
 echo READY
 hp 1
 hp 2
+read x
 echo HP-END
 "#;
 
@@ -757,7 +758,8 @@ fn wait_plugged(
 /// the guest runs, written and read back by the guest, and unplugged. On the converted
 /// domain acceld serves the raw disk on the direct engine and the qcow2 disk on the qemu
 /// engine, and after the unplug nothing of it is left (no drive, socket, chardev or node);
-/// the guest's view of each disk, virsh's answers and `domblklist` are the plain twin's.
+/// the guest's view of each disk, virsh's answers and `domblklist` are the plain twin's. An
+/// acceld restart while the raw disk is plugged serves it again, and its unplug works.
 /// Between the two disks, an attack through libvirt's monitor: a node on a file QEMU's user
 /// owns, the file swapped for a link to a root-only one, then `device_add` on that node:
 /// acceld must not serve it (it opens as QEMU's user), and the answer is QEMU's own.
@@ -781,9 +783,9 @@ fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()
         std::fs::copy(&*f, &to)?;
         *f = to;
     }
-    let (acc, wrapper, _cleanup) = with_hook(d, &HP_TWINS)?;
+    let (mut acc, wrapper, _cleanup) = with_hook(d, &HP_TWINS)?;
     let mut seen = Vec::new();
-    for (i, name) in HP_TWINS.into_iter().enumerate() {
+    let mut one = |acc: &mut AcceldRun, i: usize, name: &str| -> Result<()> {
         let conv = i == 1;
         std::fs::File::create(d.join(format!("{name}.raw")))?.set_len(64 << 20)?;
         let xml = d.join(format!("{name}.xml"));
@@ -852,7 +854,7 @@ fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()
         answers.push(virsh(&["domblklist", name])?);
         serial.wait_for("hp1 DONE", Duration::from_secs(60))?;
         let raw_drive = if conv {
-            let p = wait_plugged(&acc, name, Some("direct"))?;
+            let p = wait_plugged(acc, name, Some("direct"))?;
             let id = p[0]["drive"].as_str().unwrap_or_default().to_string();
             assert!(d.join("run").join(name).join(format!("{id}.sock")).exists());
             Some(id)
@@ -873,6 +875,13 @@ fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()
             wrote,
             "the host's image holds the guest's data"
         );
+        if conv {
+            // An acceld restart: the hot-plugged drive is in its state file, served again
+            // on the direct engine, and its unplug works after it.
+            let took = acc.restart()?;
+            wait_plugged(acc, name, Some("direct"))?;
+            println!("{name}: acceld restarted in {took:?}; the hot-plugged disk is direct again");
+        }
         let t0 = Instant::now();
         answers.push(virsh(&["detach-disk", name, "vdb", "--live"])?);
         serial.wait_for("hp1 GONE", Duration::from_secs(60))?;
@@ -880,7 +889,7 @@ fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()
         answers.push(virsh(&["domblklist", name])?);
         println!("{name}: raw disk attach {attach:?}, detach until the guest lost it {detach:?}");
         if let Some(id) = &raw_drive {
-            wait_plugged(&acc, name, None)?;
+            wait_plugged(acc, name, None)?;
             assert!(!d.join("run").join(name).join(format!("{id}.sock")).exists());
             let nodes = monitor(name, r#"{"execute":"query-named-block-nodes"}"#)?;
             assert!(
@@ -915,7 +924,7 @@ fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()
             ]);
             println!("{name}: device_add on the swapped node: {r:?}");
             assert!(
-                plugged_drives(&acc, name)?.is_empty(),
+                plugged_drives(acc, name)?.is_empty(),
                 "acceld serves the swapped node"
             );
             assert!(
@@ -952,7 +961,7 @@ fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()
         ])?);
         serial.wait_for("hp2 DONE", Duration::from_secs(60))?;
         if conv {
-            wait_plugged(&acc, name, Some("qemu"))?;
+            wait_plugged(acc, name, Some("qemu"))?;
         }
         let md5 = serial
             .seen
@@ -965,7 +974,7 @@ fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()
         answers.push(virsh(&["detach-disk", name, "vdb", "--live"])?);
         serial.wait_for("hp2 GONE", Duration::from_secs(60))?;
         if conv {
-            wait_plugged(&acc, name, None)?;
+            wait_plugged(acc, name, None)?;
             let nodes = monitor(name, r#"{"execute":"query-named-block-nodes"}"#)?;
             assert!(
                 !nodes.to_string().contains(qcow.to_str().unwrap()),
@@ -974,6 +983,7 @@ fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()
             // The boot disk goes on on the direct engine.
             assert_eq!(acc.drive(name, DRIVE)?["engine"], "direct");
         }
+        serial.send_line("END")?;
         serial.wait_for("HP-END", Duration::from_secs(30))?;
         wait_state(name, "shut off", Duration::from_secs(60))?;
         assert!(
@@ -992,6 +1002,20 @@ fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()
         }
         virsh(&["undefine", name])?;
         seen.push((view, answers));
+        Ok(())
+    };
+    for (i, name) in HP_TWINS.into_iter().enumerate() {
+        // acceld's log with the error: the temporary directory goes with the test.
+        one(&mut acc, i, name)
+            .map_err(|e| anyhow!("{name}: {e:#}\nacceld log:\n{}", acc.log_text()))?;
+    }
+    // How long each DEVICE_DELETED waited for acceld (the drive's end).
+    for l in acc
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("device deleted"))
+    {
+        println!("acceld: {l}");
     }
     let (plain, conv) = (&seen[0], &seen[1]);
     assert_eq!(plain.0.len(), 4, "{:?}", plain.0);

@@ -524,6 +524,7 @@ impl Supervisor {
     /// when no drive of the VM had that device.
     pub async fn unplug(&self, vm: &str, device: &str) -> bool {
         let Ok(vmr) = self.vm(vm) else { return false };
+        let t0 = std::time::Instant::now();
         let _g = vmr.plugging.lock().await;
         let Some(d) = vmr
             .drives()
@@ -548,7 +549,7 @@ impl Supervisor {
         let d2 = d.clone();
         offload::blocking(move || d2.stop_server()).await;
         self.save();
-        info!(vm = %vm, drive = %d.spec.id, device, "device deleted: the drive is no longer served");
+        info!(vm = %vm, drive = %d.spec.id, device, took_ms = t0.elapsed().as_millis() as u64, "device deleted: the drive is no longer served");
         true
     }
 
