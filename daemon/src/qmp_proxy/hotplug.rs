@@ -151,3 +151,36 @@ pub async fn device_add(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn add(name: &str, extra: usize) -> Option<Map<String, Value>> {
+        let v = json!({"driver": "file", "node-name": name, "filename": "x".repeat(extra)});
+        v.as_object().cloned()
+    }
+
+    #[test]
+    fn nodes_are_remembered_until_deleted_and_bounded() {
+        let n = Nodes::default();
+        n.added(&add("a", 1));
+        n.added(&None);
+        n.added(&json!({"driver": "file"}).as_object().cloned());
+        assert_eq!(n.all().keys().collect::<Vec<_>>(), ["a"]);
+        // Options larger than a node's bound are not kept.
+        n.added(&add("big", MAX_NODE_BYTES));
+        assert!(!n.all().contains_key("big"));
+        for i in 0..MAX_NODES + 10 {
+            n.added(&add(&format!("n{i}"), 1));
+        }
+        assert_eq!(n.all().len(), MAX_NODES);
+        // A node added again replaces its options even at the bound.
+        n.added(&add("a", 7));
+        assert_eq!(n.all()["a"]["filename"], "x".repeat(7));
+        n.deleted(&json!({"node-name": "a"}).as_object().cloned());
+        n.deleted(&json!({"node-name": 5}).as_object().cloned());
+        assert!(!n.all().contains_key("a"));
+        assert_eq!(n.all().len(), MAX_NODES - 1);
+    }
+}
