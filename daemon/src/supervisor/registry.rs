@@ -525,12 +525,17 @@ impl Supervisor {
     pub async fn unplug(&self, vm: &str, device: &str) -> bool {
         let Ok(vmr) = self.vm(vm) else { return false };
         let t0 = std::time::Instant::now();
+        let find = || {
+            vmr.drives()
+                .into_iter()
+                .find(|d| lock(&d.graph).device.as_deref() == Some(device))
+        };
+        // Another device's event (a NIC's) does not wait for a plug in progress.
+        if find().is_none() {
+            return false;
+        }
         let _g = vmr.plugging.lock().await;
-        let Some(d) = vmr
-            .drives()
-            .into_iter()
-            .find(|d| lock(&d.graph).device.as_deref() == Some(device))
-        else {
+        let Some(d) = find() else {
             return false;
         };
         {

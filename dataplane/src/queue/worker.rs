@@ -62,6 +62,35 @@ const TOKEN_CTL: u64 = 2;
 /// The completion fd of the engine an overlapped switch left (its requests finish there).
 const TOKEN_IO_OLD: u64 = 3;
 
+/// What the worker does with its ring: the drive's pause, lend and stop requests
+/// (`QueueCtl`) move it from one to the next.
+///
+/// ```text
+/// Running ──pause──► Pausing ──nothing in flight: ack──► Paused ──lend──► Lent
+///    ▲                  ▲                                  │  ▲            │
+///    └──────resume──────┴──────────────────────────────────┘  └──reclaim───┘
+/// any ──stop──► Stopping ──nothing in flight: ack──► the thread ends
+/// ```
+///
+/// A ring the driver corrupted is not a mode: a broken queue still pauses, drains, is lent
+/// (never: nothing of it is popped) and stops as any other; it only pops nothing more
+/// (`Worker::broken`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Pops and serves.
+    Running,
+    /// A pause was asked: nothing more is popped; acknowledged once nothing is in flight.
+    Pausing,
+    /// Paused and acknowledged: nothing in flight.
+    Paused,
+    /// Paused with the ring lent to QEMU's export: the kick eventfd is not watched and the
+    /// ring is not touched until it comes back (see `drive::lend`); a resume waits for the
+    /// take-back.
+    Lent,
+    /// A stop was asked: the worker ends once nothing is in flight.
+    Stopping,
+}
+
 /// The engine before an overlapped switch, while requests popped before it finish there.
 struct OldIo {
     io: Box<dyn QueueIo>,
@@ -275,15 +304,10 @@ struct Worker {
     bounce: BouncePool,
     bounce_wait: VecDeque<usize>,
     id: [u8; virtio_blk::ID_BYTES],
-    paused: bool,
-    /// The ring is lent to QEMU's export: the kick eventfd is not watched and the ring is not
-    /// touched until it comes back (see `drive::lend`).
-    lent: bool,
+    mode: Mode,
     /// The next batch interrupts the driver whatever EVENT_IDX says (after a lend, the
     /// notification state the queue kept is stale).
     force_call: bool,
-    stopping: bool,
-    acked: bool,
     /// Stopped popping because no slot was free.
     starved: bool,
     used_added: bool,
@@ -307,7 +331,11 @@ impl Worker {
         let n = usize::from(p.queue.size()).max(1);
         let id = virtio_blk::id_bytes(&p.drive.config().serial);
         let poll = AdaptivePoll::new(p.drive.config().poll_us);
-        let paused = lock(&ctl.st).pause;
+        let mode = if lock(&ctl.st).pause {
+            Mode::Pausing
+        } else {
+            Mode::Running
+        };
         Worker {
             index: p.index,
             drive: p.drive,
@@ -344,11 +372,8 @@ impl Worker {
             },
             bounce_wait: VecDeque::new(),
             id,
-            paused,
-            lent: false,
+            mode,
             force_call: false,
-            stopping: false,
-            acked: false,
             starved: false,
             used_added: false,
             poll,
@@ -371,24 +396,25 @@ impl Worker {
         self.call_unconditionally();
         let mut events = vec![EpollEvent::default(); 8];
         loop {
-            if (self.paused || self.stopping) && self.in_flight == 0 && !self.acked {
-                self.maybe_park();
-                self.acked = true;
-                let mut st = lock(&self.ctl.st);
-                st.drained = true;
-                self.ctl.cv.notify_all();
-            }
-            if self.stopping && self.in_flight == 0 {
-                return;
+            if matches!(self.mode, Mode::Pausing | Mode::Stopping) && self.in_flight == 0 {
+                if self.mode == Mode::Pausing {
+                    self.mode = Mode::Paused;
+                    // A lend asked with the pause parks before the acknowledgement.
+                    self.maybe_park();
+                }
+                self.ack_drained();
+                if self.mode == Mode::Stopping {
+                    return;
+                }
             }
             let waiting_since = Instant::now();
             self.share_cpu(waiting_since, YIELD_AFTER);
-            if self.backlog && !self.paused && !self.stopping {
+            if self.backlog && self.mode == Mode::Running {
                 self.process_avail();
                 self.notify();
                 continue;
             }
-            if !self.poll.window.is_zero() && !self.paused && !self.stopping && self.poll() {
+            if !self.poll.window.is_zero() && self.mode == Mode::Running && self.poll() {
                 // Work came within the window: go on polling.
                 continue;
             }
@@ -417,7 +443,7 @@ impl Worker {
                     // A kick event from the same wait as the control event that parked
                     // the queue: the kick eventfd is the export's now (reading it would
                     // take a kick from it; QEMU's export panics on an empty read).
-                    TOKEN_KICK if self.lent => {}
+                    TOKEN_KICK if self.mode == Mode::Lent => {}
                     TOKEN_KICK => {
                         let _ = self.kick.read();
                         self.process_avail();
@@ -626,14 +652,17 @@ impl Worker {
         self.maybe_park();
     }
 
+    /// Tells the drive that nothing is in flight (a pause's or a stop's acknowledgement).
+    fn ack_drained(&self) {
+        let mut st = lock(&self.ctl.st);
+        st.drained = true;
+        self.ctl.cv.notify_all();
+    }
+
     /// A lend asked (with the pause that precedes it) and the queue paused with nothing in
     /// flight: park now, in the same wake-up as the pause's acknowledgement.
     fn maybe_park(&mut self) {
-        let ready = self.paused
-            && !self.stopping
-            && self.in_flight == 0
-            && !self.lent
-            && self.old.is_none();
+        let ready = self.mode == Mode::Paused && self.in_flight == 0 && self.old.is_none();
         if !ready || !std::mem::take(&mut lock(&self.ctl.st).lend) {
             return;
         }
@@ -648,12 +677,12 @@ impl Worker {
         self.ctl.pending.store(false, Ordering::Relaxed);
         let mut st = lock(&self.ctl.st);
         if st.stop {
-            self.stopping = true;
+            self.mode = Mode::Stopping;
         }
         if let Some(base) = st.reclaim.take() {
             st.lend = false;
             drop(st);
-            if self.lent {
+            if self.mode == Mode::Lent {
                 self.unpark(base);
             }
             st = lock(&self.ctl.st);
@@ -684,12 +713,19 @@ impl Worker {
         if st.pause && !st.drained {
             // A new pause request (also while already paused, e.g. held): acknowledge it
             // again once nothing is in flight.
-            self.paused = true;
-            self.acked = false;
+            match self.mode {
+                Mode::Running | Mode::Pausing | Mode::Paused => self.mode = Mode::Pausing,
+                // Nothing is in flight on a lent ring.
+                Mode::Lent => {
+                    st.drained = true;
+                    self.ctl.cv.notify_all();
+                }
+                // Acknowledged with the stop.
+                Mode::Stopping => {}
+            }
         }
-        if !st.pause && self.paused {
-            self.paused = false;
-            self.acked = false;
+        if !st.pause && matches!(self.mode, Mode::Pausing | Mode::Paused) {
+            self.mode = Mode::Running;
             let next = st.next.take();
             drop(st);
             if let Some((io, engine)) = next {
@@ -724,7 +760,7 @@ impl Worker {
                 EpollEvent::default(),
             )
             .map_err(|e| format!("epoll: {e}"))?;
-        self.lent = true;
+        self.mode = Mode::Lent;
         Ok(crate::drive::lend::RingLoan {
             index: self.index,
             size: self.queue.size(),
@@ -768,7 +804,7 @@ impl Worker {
                 "cannot watch the kick eventfd again: {e}"
             );
         }
-        self.lent = false;
+        self.mode = Mode::Paused;
         self.force_call = true;
         self.call_unconditionally();
     }
@@ -874,7 +910,7 @@ impl Worker {
     /// Pops every available request (while slots are free), starts them, submits once per
     /// pass. Leaves guest notifications on (unless polling), after checking the ring again.
     fn process_avail(&mut self) {
-        if self.paused || self.stopping || self.broken || self.holding() {
+        if self.mode != Mode::Running || self.broken || self.holding() {
             return;
         }
         let mem = self.memory();
