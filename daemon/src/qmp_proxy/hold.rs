@@ -36,7 +36,11 @@ fn pin_of(p: Option<PinKind>) -> Option<Pin> {
 /// Puts the drives on the qemu engine (a temporary pin on the first hold) and keeps them
 /// there until released. Fails, giving back what it took, if one cannot go; the error is
 /// QEMU-shaped (class, text).
-pub async fn hold(ctx: &Ctx, drives: &[String], why: &str) -> Result<Held, (String, String)> {
+pub async fn hold(
+    ctx: &Ctx,
+    drives: &[String],
+    why: &str,
+) -> Result<Held, super::message::QmpError> {
     let mut taken = Held(Vec::new());
     for drive in drives {
         if taken.0.contains(drive) {
@@ -59,7 +63,7 @@ async fn take(
     map: &mut HashMap<String, Entry>,
     drive: &str,
     why: &str,
-) -> Result<(), (String, String)> {
+) -> Result<(), super::message::QmpError> {
     if let Some(e) = map.get_mut(drive) {
         e.holders += 1;
         return Ok(());
@@ -100,12 +104,9 @@ async fn take(
         Err(why_not) => {
             // Undo the pin set by the failed attempt (the caller gives back the rest).
             let _ = ctx.sup.set_pin(&ctx.vm, drive, prev, prev_persistent).await;
-            Err((
-                "GenericError".into(),
-                format!(
-                    "acceld: cannot move drive '{drive}' to QEMU's block layer for {why}: {why_not}"
-                ),
-            ))
+            Err(super::message::QmpError::generic(format!(
+                "acceld: cannot move drive '{drive}' to QEMU's block layer for {why}: {why_not}"
+            )))
         }
     }
 }

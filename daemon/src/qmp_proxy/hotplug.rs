@@ -66,7 +66,7 @@ impl Nodes {
     }
 }
 
-type Reply = Result<Value, (String, String)>;
+use super::message::Reply;
 
 /// `device_add`: a virtio-blk-pci disk on a node management added becomes acceld's.
 pub async fn device_add(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
@@ -125,7 +125,9 @@ pub async fn device_add(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
         ("id".to_string(), json!(chardev)),
         ("backend".to_string(), backend),
     ]);
-    if let Err((_, desc)) = upstream(ctx, "chardev-add", Some(ch), Via::InBand).await {
+    if let Err(super::message::QmpError { desc, .. }) =
+        upstream(ctx, "chardev-add", Some(ch), Via::InBand).await
+    {
         if let Some(n) = ctx.shared.log.admit() {
             warn!(vm = %ctx.vm, device = id, "hot-plugged disk stays a virtio-blk-pci device: chardev-add: {desc}{}", suppressed(n));
         }
@@ -138,7 +140,7 @@ pub async fn device_add(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
             ctx.sup.plugged(&ctx.vm, &drive, Some(&drive)).await;
             Ok(v)
         }
-        Err((_, desc)) => {
+        Err(super::message::QmpError { desc, .. }) => {
             // QEMU refused the device (a bus without hot-plug, a taken address): the
             // device asked for gets QEMU's own answer, whatever it is.
             if let Some(n) = ctx.shared.log.admit() {

@@ -29,11 +29,7 @@ pub struct Ctx {
     pub shared: Arc<Shared>,
 }
 
-type Reply = Result<Value, (String, String)>;
-
-fn generic(desc: impl Into<String>) -> (String, String) {
-    ("GenericError".into(), desc.into())
-}
+use super::message::{QmpError, Reply};
 
 impl Ctx {
     pub fn drives(&self) -> Vec<DriveStatus> {
@@ -141,7 +137,7 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
             let is_nbd = arg(&args, "type").and_then(Value::as_str) == Some("nbd");
             if is_nbd && !ctx.shared.nbd.running().await {
                 // acceld's server runs, but management's does not.
-                return Err(generic("NBD server not running"));
+                return Err(QmpError::generic("NBD server not running"));
             }
             let id = arg(&args, "id").and_then(Value::as_str).map(str::to_string);
             let r = with_drives(ctx, name, args).await;
@@ -152,7 +148,7 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
         }
         "nbd-server-add" => {
             if !ctx.shared.nbd.running().await {
-                return Err(generic("NBD server not running"));
+                return Err(QmpError::generic("NBD server not running"));
             }
             let id = arg(&args, "name")
                 .or_else(|| arg(&args, "device"))
@@ -172,7 +168,7 @@ pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) ->
             };
             let id = arg(&args, key).and_then(Value::as_str).map(str::to_string);
             if let Some(id) = id.as_deref().filter(|i| own_name(i)) {
-                return Err(generic(format!("Export '{id}' is not found")));
+                return Err(QmpError::generic(format!("Export '{id}' is not found")));
             }
             let r = forward(ctx, name, args).await;
             if let (Ok(_), Some(id)) = (&r, id) {
@@ -330,14 +326,14 @@ async fn resize(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
         .await;
     release(ctx, held).await;
     r.unwrap_or_else(|e| {
-        Err(generic(format!(
+        Err(QmpError::generic(format!(
             "acceld: cannot resize drive '{drive}': {}",
             e.chain()
         )))
     })
 }
 
-async fn hold_all(ctx: &Ctx, why: &str) -> Result<super::hold::Held, (String, String)> {
+async fn hold_all(ctx: &Ctx, why: &str) -> Result<super::hold::Held, QmpError> {
     let all: Vec<String> = ctx.drives().into_iter().map(|d| d.drive).collect();
     hold(ctx, &all, why).await
 }
@@ -470,7 +466,7 @@ async fn set_throttle(ctx: &Ctx, d: &DriveStatus, a: Map<String, Value>) -> Repl
         .set_throttle_in_group(&ctx.vm, &d.drive, limits, group, leave)
         .await
         .map(|_| json!({}))
-        .map_err(|e| generic(format!("acceld: {}", e.chain())))
+        .map_err(|e| QmpError::generic(format!("acceld: {}", e.chain())))
 }
 
 /// `qom-set` of a throttle group's `limits`: QEMU sets the object's limits (management's
@@ -496,7 +492,7 @@ async fn group_limits(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
         ctx.sup
             .set_throttle_in_group(&ctx.vm, &drive, limits, None, false)
             .await
-            .map_err(|e| generic(format!("acceld: {}", e.chain())))?;
+            .map_err(|e| QmpError::generic(format!("acceld: {}", e.chain())))?;
     }
     Ok(r)
 }

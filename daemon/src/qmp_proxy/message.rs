@@ -4,6 +4,74 @@
 
 use serde_json::{Map, Value};
 
+/// QEMU's error classes (`QapiErrorClass`, qapi/error.json in QEMU 10), and any other a QEMU
+/// sends (passed on as it is).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ErrorClass {
+    GenericError,
+    CommandNotFound,
+    DeviceNotActive,
+    DeviceNotFound,
+    KvmMissingCap,
+    Other(String),
+}
+
+impl ErrorClass {
+    pub fn parse(s: &str) -> ErrorClass {
+        match s {
+            "GenericError" => ErrorClass::GenericError,
+            "CommandNotFound" => ErrorClass::CommandNotFound,
+            "DeviceNotActive" => ErrorClass::DeviceNotActive,
+            "DeviceNotFound" => ErrorClass::DeviceNotFound,
+            "KVMMissingCap" => ErrorClass::KvmMissingCap,
+            o => ErrorClass::Other(o.to_string()),
+        }
+    }
+
+    /// The class as QMP spells it.
+    pub fn as_str(&self) -> &str {
+        match self {
+            ErrorClass::GenericError => "GenericError",
+            ErrorClass::CommandNotFound => "CommandNotFound",
+            ErrorClass::DeviceNotActive => "DeviceNotActive",
+            ErrorClass::DeviceNotFound => "DeviceNotFound",
+            ErrorClass::KvmMissingCap => "KVMMissingCap",
+            ErrorClass::Other(s) => s,
+        }
+    }
+}
+
+/// An error reply: QEMU's own (class and text as it sent them), or the proxy's, made as QEMU
+/// would make it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {desc}", class.as_str())]
+pub struct QmpError {
+    pub class: ErrorClass,
+    pub desc: String,
+}
+
+impl QmpError {
+    pub fn new(class: ErrorClass, desc: impl Into<String>) -> QmpError {
+        QmpError {
+            class,
+            desc: desc.into(),
+        }
+    }
+
+    /// A `GenericError`: what QEMU answers for nearly every refusal.
+    pub fn generic(desc: impl Into<String>) -> QmpError {
+        QmpError::new(ErrorClass::GenericError, desc)
+    }
+
+    /// This error with the text is `desc`, of class GenericError.
+    pub fn is_generic(&self, desc: &str) -> bool {
+        self.class == ErrorClass::GenericError && self.desc == desc
+    }
+}
+
+/// What a command gets: QEMU's `return` value, or an error.
+pub type Reply = Result<Value, QmpError>;
+
 /// The next message of a client's byte stream.
 #[derive(Debug, PartialEq)]
 pub enum Next {
@@ -338,6 +406,31 @@ pub fn check_capabilities(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_classes_keep_qemus_spelling() {
+        for c in [
+            "GenericError",
+            "CommandNotFound",
+            "DeviceNotActive",
+            "DeviceNotFound",
+            "KVMMissingCap",
+            "SomethingNew",
+        ] {
+            assert_eq!(ErrorClass::parse(c).as_str(), c);
+        }
+        assert_eq!(
+            ErrorClass::parse("KVMMissingCap"),
+            ErrorClass::KvmMissingCap
+        );
+        let e = QmpError::generic("NBD server not running");
+        assert!(e.is_generic("NBD server not running"));
+        assert!(
+            !QmpError::new(ErrorClass::DeviceNotFound, "NBD server not running")
+                .is_generic("NBD server not running")
+        );
+        assert_eq!(e.to_string(), "GenericError: NBD server not running");
+    }
     use serde_json::json;
 
     fn all(input: &str) -> Vec<Next> {

@@ -53,7 +53,7 @@ pub struct Shared {
     log: LogLimit,
 }
 
-pub use message::{check_request, Request, Shape};
+pub use message::{check_request, ErrorClass, QmpError, Reply, Request, Shape};
 
 /// Largest message a client may send (QEMU's own parser allows 64 MiB per token; no
 /// management command comes close to this).
@@ -435,7 +435,7 @@ async fn run_oob(ctx: &intercept::Ctx, req: Request) -> Value {
             }
             return_reply(v, id)
         }
-        Err((class, desc)) => error_reply(&class, &desc, id),
+        Err(e) => error_reply(e.class.as_str(), &e.desc, id),
     }
 }
 
@@ -532,7 +532,7 @@ async fn handle(
     };
     Some(match r {
         Ok(v) => return_reply(v, id),
-        Err((class, desc)) => error_reply(&class, &st.names.restore(&desc), id),
+        Err(e) => error_reply(e.class.as_str(), &st.names.restore(&e.desc), id),
     })
 }
 
@@ -552,14 +552,12 @@ async fn upstream(
     name: &str,
     args: Option<Map<String, Value>>,
     via: Via<'_>,
-) -> Result<Value, (String, String)> {
+) -> Reply {
     use std::os::fd::AsFd;
-    let qmp = ctx.sup.vm_qmp(&ctx.vm).map_err(|e| {
-        (
-            "GenericError".to_string(),
-            format!("acceld's QMP proxy: {}", e.chain()),
-        )
-    })?;
+    let qmp = ctx
+        .sup
+        .vm_qmp(&ctx.vm)
+        .map_err(|e| QmpError::generic(format!("acceld's QMP proxy: {}", e.chain())))?;
     let args = args.map(Value::Object);
     let r = match via {
         Via::InBand => qmp.execute_raw_timeout(name, args, FORWARD_TIMEOUT).await,
@@ -571,11 +569,12 @@ async fn upstream(
     };
     match r {
         Ok(v) => Ok(v),
-        Err(qmp_client::QmpError::Qemu { class, desc, .. }) => Err((class, desc)),
-        Err(e) => Err((
-            "GenericError".to_string(),
-            format!("acceld's QMP proxy: QEMU did not answer: {e}"),
-        )),
+        Err(qmp_client::QmpError::Qemu { class, desc, .. }) => {
+            Err(QmpError::new(ErrorClass::parse(&class), desc))
+        }
+        Err(e) => Err(QmpError::generic(format!(
+            "acceld's QMP proxy: QEMU did not answer: {e}"
+        ))),
     }
 }
 
@@ -584,7 +583,7 @@ pub(crate) async fn forward(
     ctx: &intercept::Ctx,
     name: &str,
     args: Option<Map<String, Value>>,
-) -> Result<Value, (String, String)> {
+) -> Reply {
     upstream(ctx, name, args, Via::InBand).await
 }
 

@@ -72,11 +72,7 @@ fn refused_path(ctx: &Ctx, upstream: &std::path::Path, path: &str) -> Option<Str
     })
 }
 
-type Reply = Result<Value, (String, String)>;
-
-fn generic(desc: impl Into<String>) -> (String, String) {
-    ("GenericError".into(), desc.into())
-}
+use super::message::{QmpError, Reply};
 
 #[derive(Default)]
 pub struct MgmtNbd {
@@ -121,25 +117,25 @@ pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
     // then checks the arguments (its own texts) and refuses the second start: that refusal
     // says the arguments are valid.
     let upstream = ctx.sup.ensure_nbd_server(&ctx.vm).await.map_err(|e| {
-        generic(format!(
+        QmpError::generic(format!(
             "acceld: cannot start QEMU's NBD server: {}",
             e.chain()
         ))
     })?;
     match forward(ctx, "nbd-server-start", args.clone()).await {
-        Err((class, desc)) if class == "GenericError" && desc == "NBD server already running" => {}
+        Err(e) if e.is_generic("NBD server already running") => {}
         Err(e) => return Err(e),
-        Ok(_) => return Err(generic(
+        Ok(_) => return Err(QmpError::generic(
             "acceld: QEMU started a second NBD server (unexpected); stop it with nbd-server-stop",
         )),
     }
     if guard.is_some() {
-        return Err(generic("NBD server already running"));
+        return Err(QmpError::generic("NBD server already running"));
     }
     let a = args.unwrap_or_default();
     for k in ["tls-creds", "tls-authz"] {
         if a.get(k).is_some_and(|v| !v.is_null()) {
-            return Err(generic(format!(
+            return Err(QmpError::generic(format!(
                 "acceld's QMP proxy: '{k}' is not supported for management's NBD server on an accelerated VM yet"
             )));
         }
@@ -153,10 +149,10 @@ pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
     let (listener, unix_path) = match addr["type"].as_str() {
         Some("unix") => {
             let Some(path) = data["path"].as_str() else {
-                return Err(generic("acceld's QMP proxy: a unix address needs a path"));
+                return Err(QmpError::generic("acceld's QMP proxy: a unix address needs a path"));
             };
             if data["abstract"] == true {
-                return Err(generic(
+                return Err(QmpError::generic(
                     "acceld's QMP proxy: abstract unix sockets are not supported yet",
                 ));
             }
@@ -170,18 +166,18 @@ pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
                     .and_then(|n| n.to_str())
                     .is_some_and(|n| n != ".." && n != ".");
                 if p.parent() != Some(dir.as_path()) || !plain {
-                    return Err(generic(format!(
+                    return Err(QmpError::generic(format!(
                         "acceld's QMP proxy: QEMU does not run as root here: the NBD server's socket must be in {}",
                         dir.display()
                     )));
                 }
             }
             if let Some(e) = refused_path(ctx, &upstream, path) {
-                return Err(generic(e));
+                return Err(QmpError::generic(e));
             }
             let _ = std::fs::remove_file(path);
             let l = UnixListener::bind(path).map_err(|e| {
-                generic(format!("Failed to bind socket to {path}: {e}"))
+                QmpError::generic(format!("Failed to bind socket to {path}: {e}"))
             })?;
             (Listener::Unix(l), Some(PathBuf::from(path)))
         }
@@ -190,17 +186,17 @@ pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
             let port = data["port"].as_str().unwrap_or("");
             let n = port.parse::<u16>().unwrap_or(0);
             if ctx.sup.vm_owner(&ctx.vm).is_some() && n != 0 && n < 1024 {
-                return Err(generic(format!(
+                return Err(QmpError::generic(format!(
                     "acceld's QMP proxy: QEMU does not run as root here: port {n} is privileged"
                 )));
             }
             let l = TcpListener::bind((host, port.parse::<u16>().unwrap_or(0)))
                 .await
-                .map_err(|e| generic(format!("Failed to bind socket to {host}:{port}: {e}")))?;
+                .map_err(|e| QmpError::generic(format!("Failed to bind socket to {host}:{port}: {e}")))?;
             (Listener::Tcp(l), None)
         }
         other => {
-            return Err(generic(format!(
+            return Err(QmpError::generic(format!(
                 "acceld's QMP proxy: NBD server address type {} is not supported yet (unix and inet are)",
                 other.unwrap_or("?")
             )))
@@ -283,7 +279,7 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Pipe for T 
 /// `nbd-server-stop` from management.
 pub async fn stop(ctx: &Ctx) -> Reply {
     let Some(s) = ctx.shared.nbd.server.lock().await.take() else {
-        return Err(generic("NBD server not running"));
+        return Err(QmpError::generic("NBD server not running"));
     };
     s.task.abort();
     let _ = s.task.await;
@@ -300,7 +296,7 @@ pub async fn stop(ctx: &Ctx) -> Reply {
             ])),
         )
         .await;
-        if let Err((_, e)) = r {
+        if let Err(e) = r {
             debug!(vm = %ctx.vm, export = %id, "management's export at NBD stop: {e}");
         }
     }

@@ -4,9 +4,7 @@
 use accel_api::control::ThrottleLimits;
 use serde_json::{Map, Value};
 
-fn generic(desc: impl Into<String>) -> (String, String) {
-    ("GenericError".into(), desc.into())
-}
+use super::message::QmpError;
 
 /// The six limits every `block_set_io_throttle` carries, in QEMU's order.
 const REQUIRED: [&str; 6] = ["bps", "bps_rd", "bps_wr", "iops", "iops_rd", "iops_wr"];
@@ -43,16 +41,16 @@ pub fn group(a: &Map<String, Value>) -> Option<String> {
 pub fn parse_group_limits(
     v: &Value,
     current: Option<&ThrottleLimits>,
-) -> Result<Option<ThrottleLimits>, (String, String)> {
+) -> Result<Option<ThrottleLimits>, QmpError> {
     let Some(m) = v.as_object() else {
-        return Err(generic(
+        return Err(QmpError::generic(
             "Invalid parameter type for 'limits', expected: object",
         ));
     };
     let mut l = current.cloned().unwrap_or_default();
     for (k, x) in m {
         let n = x.as_u64().ok_or_else(|| {
-            generic(format!(
+            QmpError::generic(format!(
                 "Invalid parameter type for '{k}', expected: integer"
             ))
         })?;
@@ -65,7 +63,7 @@ pub fn parse_group_limits(
             "bps-write" => &mut l.bps_write,
             _ if n == 0 => continue,
             _ => {
-                return Err(generic(format!(
+                return Err(QmpError::generic(format!(
                     "acceld's QMP proxy: '{k}' is not supported on an accelerated drive yet"
                 )))
             }
@@ -77,14 +75,14 @@ pub fn parse_group_limits(
 
 /// Parses `block_set_io_throttle`'s arguments as QEMU does (its texts), into acceld's limits
 /// (`None`: all zero, no throttle).
-pub fn parse(a: &Map<String, Value>) -> Result<Option<ThrottleLimits>, (String, String)> {
+pub fn parse(a: &Map<String, Value>) -> Result<Option<ThrottleLimits>, QmpError> {
     let mut v = [0i64; 6];
     for (i, k) in REQUIRED.iter().enumerate() {
         match a.get(*k) {
-            None => return Err(generic(format!("Parameter '{k}' is missing"))),
+            None => return Err(QmpError::generic(format!("Parameter '{k}' is missing"))),
             Some(x) => {
                 v[i] = x.as_i64().ok_or_else(|| {
-                    generic(format!(
+                    QmpError::generic(format!(
                         "Invalid parameter type for '{k}', expected: integer"
                     ))
                 })?
@@ -94,7 +92,7 @@ pub fn parse(a: &Map<String, Value>) -> Result<Option<ThrottleLimits>, (String, 
     if a.get("group")
         .is_some_and(|g| !g.is_string() && !g.is_null())
     {
-        return Err(generic(
+        return Err(QmpError::generic(
             "Invalid parameter type for 'group', expected: string",
         ));
     }
@@ -103,7 +101,7 @@ pub fn parse(a: &Map<String, Value>) -> Result<Option<ThrottleLimits>, (String, 
             continue;
         }
         if !OPTIONAL.contains(&k.as_str()) {
-            return Err(generic(format!("Parameter '{k}' is unexpected")));
+            return Err(QmpError::generic(format!("Parameter '{k}' is unexpected")));
         }
         let set = match &a[k] {
             Value::Null => false,
@@ -112,13 +110,13 @@ pub fn parse(a: &Map<String, Value>) -> Result<Option<ThrottleLimits>, (String, 
             _ => true,
         };
         if set {
-            return Err(generic(format!(
+            return Err(QmpError::generic(format!(
                 "acceld's QMP proxy: '{k}' is not supported on an accelerated drive yet"
             )));
         }
     }
     if v.iter().any(|&x| !(0..=THROTTLE_VALUE_MAX).contains(&x)) {
-        return Err(generic(format!(
+        return Err(QmpError::generic(format!(
             "bps/iops/max values must be within [0, {THROTTLE_VALUE_MAX}]"
         )));
     }
@@ -161,24 +159,27 @@ mod tests {
         let mut missing = base.clone();
         missing.as_object_mut().unwrap().remove("iops_rd");
         assert_eq!(
-            parse(&args(missing)).unwrap_err().1,
+            parse(&args(missing)).unwrap_err().desc,
             "Parameter 'iops_rd' is missing"
         );
         let mut typed = base.clone();
         typed["bps"] = json!("1");
         assert_eq!(
-            parse(&args(typed)).unwrap_err().1,
+            parse(&args(typed)).unwrap_err().desc,
             "Invalid parameter type for 'bps', expected: integer"
         );
         let mut extra = base.clone();
         extra["nope"] = json!(1);
         assert_eq!(
-            parse(&args(extra)).unwrap_err().1,
+            parse(&args(extra)).unwrap_err().desc,
             "Parameter 'nope' is unexpected"
         );
         let mut neg = base.clone();
         neg["bps"] = json!(-1);
-        assert!(parse(&args(neg)).unwrap_err().1.contains("must be within"));
+        assert!(parse(&args(neg))
+            .unwrap_err()
+            .desc
+            .contains("must be within"));
         let mut grouped = base.clone();
         grouped["group"] = json!("tg0");
         assert!(parse(&args(grouped.clone())).is_ok(), "a group is fine");
@@ -208,6 +209,9 @@ mod tests {
             "zero optional limits are fine"
         );
         max["iops_max"] = json!(5);
-        assert!(parse(&args(max)).unwrap_err().1.contains("not supported"));
+        assert!(parse(&args(max))
+            .unwrap_err()
+            .desc
+            .contains("not supported"));
     }
 }
