@@ -21,36 +21,12 @@ import subprocess
 import sys
 import time
 
-from qemu.qmp import EventListener, ExecuteError, QMPClient
+from qemu.qmp import EventListener, QMPClient
+from qmpcheck import PATHS, both, check, drop, run, verdict
 
 PROXY, REF, SCRATCH = sys.argv[1], sys.argv[2], sys.argv[3]
 ACCELCTL = shlex.split(os.environ.get("ACCELCTL", ""))
 QOM = "/machine/peripheral/hp0/virtio-backend"
-PATHS = {"filename", "file", "actual-size", "backing_file", "backing-filename",
-         "full-backing-filename"}
-COUNTERS = {"stats", "rd_bytes", "wr_bytes", "rd_operations", "wr_operations"}
-failures = []
-
-
-def check(name, ok, detail=""):
-    print(f"{'ok  ' if ok else 'FAIL'} {name}{(': ' + detail) if detail and not ok else ''}")
-    if not ok:
-        failures.append(name)
-
-
-async def run(qmp, cmd, args=None):
-    try:
-        return ("return", await qmp.execute(cmd, args))
-    except ExecuteError as e:
-        return ("error", (e.error_class, str(e)))
-
-
-def drop(v, keys):
-    if isinstance(v, dict):
-        return {k: drop(x, keys) for k, x in v.items() if k not in keys}
-    if isinstance(v, list):
-        return [drop(x, keys) for x in v]
-    return v
 
 
 def drives():
@@ -68,12 +44,6 @@ async def wait_drive(want, timeout=30.0):
         if now == want or time.monotonic() - t0 > timeout:
             return now
         await asyncio.sleep(0.05)
-
-
-async def both(name, p, r, fn):
-    a, b = await fn(p), await fn(r)
-    check(name, a == b, f"\n  proxy     {json.dumps(a, sort_keys=True)}\n  reference {json.dumps(b, sort_keys=True)}")
-    return a
 
 
 def image(q):
@@ -155,8 +125,7 @@ async def main():
                lambda q: run(q, "device_del", {"id": "hp0"}))
     await p.disconnect()
     await r.disconnect()
-    print(f"RESULT: {'PASS' if not failures else 'FAIL ' + ', '.join(failures)}")
-    sys.exit(1 if failures else 0)
+    verdict()
 
 
 asyncio.run(main())

@@ -26,7 +26,8 @@ import subprocess
 import sys
 import time
 
-from qemu.qmp import EventListener, ExecuteError, QMPClient
+from qemu.qmp import EventListener, QMPClient
+from qmpcheck import PATHS, both, check, drop, run, verdict
 
 PROXY, REF, DRIVE, SCRATCH = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 ACCELCTL = shlex.split(os.environ.get("ACCELCTL", ""))
@@ -37,40 +38,11 @@ GRAPH = os.environ.get("ACCEL_QMP_GRAPH_TESTS", "1") != "0"
 QOM = f"/machine/peripheral/{DRIVE}/virtio-backend"
 # The drive's size after block_resize (from 64 MiB); the Rust side checks that the guest sees it.
 RESIZED = 96 << 20
-failures = []
-
-
-def check(name, ok, detail=""):
-    print(f"{'ok  ' if ok else 'FAIL'} {name}{(': ' + detail) if detail and not ok else ''}")
-    if not ok:
-        failures.append(name)
-
-
-async def run(qmp, cmd, args=None):
-    """A reply as (kind, value): ('return', v) or ('error', (class, desc))."""
-    try:
-        return ("return", await qmp.execute(cmd, args))
-    except ExecuteError as e:
-        return ("error", (e.error_class, str(e)))
-
-
-def drop(v, keys):
-    if isinstance(v, dict):
-        return {k: drop(x, keys) for k, x in v.items() if k not in keys}
-    if isinstance(v, list):
-        return [drop(x, keys) for x in v]
-    return v
-
-
 def entry(reply, key, value):
     kind, v = reply
     if kind != "return":
         return None
     return next((e for e in v if e.get(key) == value), None)
-
-
-PATHS = {"filename", "file", "actual-size", "backing_file", "backing-filename",
-         "full-backing-filename"}
 
 
 def engine():
@@ -299,13 +271,6 @@ async def compare():
           and not any(o["name"].startswith("accel-") for o in objs), json.dumps(objs))
     await p.disconnect()
     await r.disconnect()
-
-
-async def both(name, p, r, fn):
-    """fn(qmp) on each side; the results compared."""
-    a, b = await fn(p), await fn(r)
-    check(name, a == b, f"\n  proxy     {json.dumps(a, sort_keys=True)}\n  reference {json.dumps(b, sort_keys=True)}")
-    return a
 
 
 def block_entry(reply):
@@ -766,8 +731,7 @@ async def main():
     st = await c.execute("query-status")
     check("the accelerated VM runs at the end", st["status"] == "running", json.dumps(st))
     await c.disconnect()
-    print(f"RESULT: {'PASS' if not failures else 'FAIL ' + ', '.join(failures)}")
-    sys.exit(1 if failures else 0)
+    verdict()
 
 
 asyncio.run(main())

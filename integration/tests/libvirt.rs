@@ -150,6 +150,20 @@ fn domain_xml(
     )
 }
 
+/// `accelctl libvirt convert XML --emulator WRAPPER`, which must succeed: the converted XML
+/// and the changes it lists (its stderr).
+fn convert(xml: &Path, wrapper: &Path) -> Result<(Vec<u8>, String)> {
+    let out = Command::new(accelctl_bin()?)
+        .args(["libvirt", "convert"])
+        .arg(xml)
+        .arg("--emulator")
+        .arg(wrapper)
+        .output()?;
+    let changes = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "convert: {changes}");
+    Ok((out.stdout, changes))
+}
+
 /// Undefines the domain and removes the hook whatever happens.
 struct Cleanup {
     hooks: PathBuf,
@@ -297,21 +311,14 @@ fn scenario(user: Option<QemuUser>) -> Result<()> {
     // Convert: the emulator and shared memfd memory, nothing else.
     let plain = d.join("plain.xml");
     std::fs::write(&plain, domain_xml(d, &img, &kernel, &initrd, user))?;
-    let out = Command::new(accelctl_bin()?)
-        .args(["libvirt", "convert"])
-        .arg(&plain)
-        .arg("--emulator")
-        .arg(&wrapper)
-        .output()?;
-    let changes = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "convert: {changes}");
+    let (conv_xml, changes) = convert(&plain, &wrapper)?;
     assert_eq!(changes.lines().count(), 3, "{changes}");
     assert!(
         changes.contains("<emulator>") && changes.contains("memfd"),
         "{changes}"
     );
     let conv = d.join("conv.xml");
-    std::fs::write(&conv, &out.stdout)?;
+    std::fs::write(&conv, conv_xml)?;
     virsh(&["define", conv.to_str().unwrap()])?;
 
     // virsh start: served on the direct engine; libvirt sees an ordinary file disk.
@@ -599,18 +606,8 @@ fn a_converted_domain_looks_like_its_plain_twin() -> Result<()> {
         let xml = d.join(format!("{name}.xml"));
         std::fs::write(&xml, twin_xml(name, i as u32, d, &kernel, &initrd))?;
         if i == 1 {
-            let out = Command::new(accelctl_bin()?)
-                .args(["libvirt", "convert"])
-                .arg(&xml)
-                .arg("--emulator")
-                .arg(&wrapper)
-                .output()?;
-            assert!(
-                out.status.success(),
-                "convert: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            std::fs::write(&xml, &out.stdout)?;
+            let (xml_out, _) = convert(&xml, &wrapper)?;
+            std::fs::write(&xml, xml_out)?;
         }
         virsh(&["define", xml.to_str().unwrap()])?;
         let from = log_len(name);
@@ -810,18 +807,8 @@ fn a_disk_hot_plugged_into_a_converted_domain_is_served_by_acceld() -> Result<()
         );
         std::fs::write(&xml, text)?;
         if conv {
-            let out = Command::new(accelctl_bin()?)
-                .args(["libvirt", "convert"])
-                .arg(&xml)
-                .arg("--emulator")
-                .arg(&wrapper)
-                .output()?;
-            assert!(
-                out.status.success(),
-                "convert: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            std::fs::write(&xml, &out.stdout)?;
+            let (xml_out, _) = convert(&xml, &wrapper)?;
+            std::fs::write(&xml, xml_out)?;
         }
         virsh(&["define", xml.to_str().unwrap()])?;
         virsh(&["start", name])?;

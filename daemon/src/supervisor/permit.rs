@@ -122,6 +122,20 @@ impl Creds {
         }
     }
 
+    /// QEMU's: the permit's owner; else QEMU's process as it is now (the QMP socket's
+    /// creator, alive while acceld's connection is: its pid is not reused). QEMU may have
+    /// dropped its ids or capabilities after making the socket. The error says why they are
+    /// unknown.
+    pub fn of_qemu(owner: Option<Owner>, peer_pid: Option<i32>) -> Result<Creds, String> {
+        match (owner, peer_pid) {
+            (Some(o), _) => Ok(Creds::of_owner(o)),
+            (None, Some(pid)) => {
+                Creds::of_process(pid).map_err(|e| format!("its credentials are unknown: {e}"))
+            }
+            (None, None) => Err("its process is unknown".into()),
+        }
+    }
+
     /// A process's, from `/proc/PID/status` (the filesystem uid and gid, `Groups:`,
     /// `CapEff:`).
     pub fn of_process(pid: i32) -> std::io::Result<Creds> {
@@ -177,6 +191,27 @@ impl ImageRef {
             })?
             .join()
             .unwrap_or_else(|_| Err(SupError::Invalid("the image open panicked".into())))
+    }
+}
+
+impl ImageRef {
+    /// [`ImageRef::resolve_as`] off the async runtime, waiting at most `deadline` (a file
+    /// system that does not answer holds a blocking thread, not the caller).
+    pub async fn resolve_as_within(
+        path: PathBuf,
+        who: Creds,
+        read_only: bool,
+        deadline: std::time::Duration,
+    ) -> Result<ImageRef, SupError> {
+        super::offload::blocking_within(deadline, move || {
+            ImageRef::resolve_as(&path, who, read_only)
+        })
+        .await
+        .unwrap_or_else(|| {
+            Err(SupError::Invalid(format!(
+                "the open did not return within {deadline:?}"
+            )))
+        })
     }
 }
 

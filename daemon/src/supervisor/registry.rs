@@ -442,24 +442,15 @@ impl Supervisor {
             )));
         }
         let qmp = vmr.qmp()?;
-        let who = match (vmr.owner, qmp.peer_pid()) {
-            (Some(o), _) => super::permit::Creds::of_owner(o),
-            (None, Some(pid)) => super::permit::Creds::of_process(pid)
-                .map_err(|e| SupError::Denied(format!("QEMU's credentials are unknown: {e}")))?,
-            (None, None) => {
-                return Err(SupError::Denied("QEMU's process is unknown".into()));
-            }
-        };
-        let (path, ro) = (spec.image.clone(), spec.read_only);
-        let image = offload::blocking_within(OPEN_DEADLINE, move || {
-            super::permit::ImageRef::resolve_as(&path, who, ro)
-        })
+        let who = super::permit::Creds::of_qemu(vmr.owner, qmp.peer_pid())
+            .map_err(|why| SupError::Denied(format!("drive {}: QEMU: {why}", spec.id)))?;
+        let image = super::permit::ImageRef::resolve_as_within(
+            spec.image.clone(),
+            who,
+            spec.read_only,
+            OPEN_DEADLINE,
+        )
         .await
-        .unwrap_or_else(|| {
-            Err(SupError::Invalid(format!(
-                "the open did not return within {OPEN_DEADLINE:?}"
-            )))
-        })
         .map_err(|e| {
             SupError::Denied(format!(
                 "drive {}: QEMU's user cannot open {}: {}",

@@ -109,38 +109,22 @@ impl Supervisor {
         old: &super::permit::ImageRef,
         spec: &policy::ServeSpec,
     ) -> Result<(), SupError> {
-        // The permit's owner; else QEMU's process as it is now (the QMP socket's creator,
-        // alive while acceld's connection is: its pid is not reused). QEMU may have
-        // dropped its ids or capabilities after making the socket.
-        let who = match (vm.owner, qmp.peer_pid()) {
-            (Some(o), _) => super::permit::Creds::of_owner(o),
-            (None, Some(pid)) => super::permit::Creds::of_process(pid).map_err(|e| {
-                SupError::Denied(format!(
-                    "QEMU names {} for the direct engine, not the drive's image {}, and its credentials are unknown: {e}",
-                    spec.image.display(),
-                    old.path.display()
-                ))
-            })?,
-            (None, None) => {
-                return Err(SupError::Denied(format!(
-                    "QEMU names {} for the direct engine, not the drive's image {}, and its process is unknown",
-                    spec.image.display(),
-                    old.path.display()
-                )))
-            }
-        };
-        let (uid, gid) = (who.uid, who.gid);
-        let path = spec.image.clone();
-        let read_only = d.spec.read_only || spec.read_only || old.read_only;
-        let new = offload::blocking_within(Duration::from_secs(15), move || {
-            super::permit::ImageRef::resolve_as(&path, who, read_only)
-        })
-        .await
-        .unwrap_or_else(|| {
-            Err(SupError::Invalid(
-                "the open did not return within 15 s".into(),
+        let who = super::permit::Creds::of_qemu(vm.owner, qmp.peer_pid()).map_err(|why| {
+            SupError::Denied(format!(
+                "QEMU names {} for the direct engine, not the drive's image {}, and {why}",
+                spec.image.display(),
+                old.path.display()
             ))
-        })
+        })?;
+        let (uid, gid) = (who.uid, who.gid);
+        let read_only = d.spec.read_only || spec.read_only || old.read_only;
+        let new = super::permit::ImageRef::resolve_as_within(
+            spec.image.clone(),
+            who,
+            read_only,
+            Duration::from_secs(15),
+        )
+        .await
         .map_err(|e| {
             SupError::Denied(format!(
                 "QEMU names {} for the direct engine, not the drive's image {}: {}",
