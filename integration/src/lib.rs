@@ -367,9 +367,10 @@ impl Guest {
                 return Ok(self.output.clone());
             }
             if Instant::now() >= deadline {
+                let threads = thread_states(self.child.id());
                 let _ = self.child.kill();
                 bail!(
-                    "guest did not finish within {timeout:?}; output:\n{}",
+                    "guest did not finish within {timeout:?}; QEMU's threads:\n{threads}\noutput:\n{}",
                     self.output.join("\n")
                 );
             }
@@ -385,6 +386,61 @@ impl Drop for Guest {
             let _ = self.child.wait();
         }
     }
+}
+
+/// What each thread of process `pid` is doing: its name, state and the system call it waits
+/// in (`/proc/PID/task/TID/syscall`: number and arguments), with what the first argument
+/// names when it is a descriptor: enough to tell, for a QEMU that does not exit, whether it
+/// waits for a vhost-user reply (a `recvmsg` on a back-end's socket) or for its own threads.
+pub fn thread_states(pid: u32) -> String {
+    let mut out = String::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return format!("(process {pid} is gone)");
+    };
+    for t in tasks.flatten().take(64) {
+        let base = t.path();
+        let read = |f: &str| std::fs::read_to_string(base.join(f)).unwrap_or_default();
+        let comm = read("comm");
+        let stat = read("stat");
+        // The state follows the parenthesised name.
+        let state = stat
+            .rsplit(") ")
+            .next()
+            .and_then(|r| r.split(' ').next())
+            .unwrap_or("?");
+        let syscall = read("syscall");
+        let fd = syscall
+            .split_whitespace()
+            .nth(1)
+            .and_then(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok())
+            .and_then(|fd| std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok())
+            .map(|l| format!(" fd1={}", l.display()))
+            .unwrap_or_default();
+        out.push_str(&format!(
+            "  {} {} {state} syscall={}{fd} wchan={}\n",
+            t.file_name().to_string_lossy(),
+            comm.trim(),
+            syscall.trim(),
+            read("wchan").trim()
+        ));
+    }
+    if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        let mut links: Vec<String> = fds
+            .flatten()
+            .take(256)
+            .filter_map(|f| {
+                let l = std::fs::read_link(f.path()).ok()?;
+                Some(format!(
+                    "{}={}",
+                    f.file_name().to_string_lossy(),
+                    l.display()
+                ))
+            })
+            .collect();
+        links.sort();
+        out.push_str(&format!("  fds: {}\n", links.join(" ")));
+    }
+    out
 }
 
 /// The next line from `lines` containing `needle`, within `timeout`; every line read is kept

@@ -324,7 +324,9 @@ fn a_disk_hot_plugged_through_the_proxy_is_served_as_qemu_would() -> Result<()> 
         ("reference", &mut reference),
     ] {
         g.send_line("STOP")?;
-        let out = g.wait_exit(Duration::from_secs(120))?;
+        let out = g
+            .wait_exit(Duration::from_secs(120))
+            .map_err(|e| anyhow::anyhow!("{what} guest: {e:#}\nacceld log:\n{}", acc.log_text()))?;
         for (k, v) in [
             ("serial", "HP-QMP-1"),
             ("wrote", "ok"),
