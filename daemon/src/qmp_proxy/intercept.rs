@@ -13,6 +13,8 @@
 //!
 //! Everything else goes to QEMU as it is.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use accel_api::status::{DriveStatus, EngineKind};
@@ -60,27 +62,23 @@ fn arg<'a>(args: &'a Option<Map<String, Value>>, k: &str) -> Option<&'a Value> {
     args.as_ref().and_then(|a| a.get(k))
 }
 
+/// Commands outside the block prefixes that name block nodes.
+const NODE_COMMANDS: &[&str] = &["transaction", "change-backing-file", "nbd-server-add"];
+/// Block commands that do not hold a drive: jobs are named by job id (`block-job-*`), these
+/// look nodes up only to read them or end acceld-unrelated objects.
+const NOT_NODE_COMMANDS: &[&str] = &[
+    "block-export-del",
+    "block-latency-histogram-set",
+    "blockdev-del",
+];
+
 /// Commands that name block nodes (or a device's backend) in their arguments.
 fn names_nodes(cmd: &str) -> bool {
-    let block = cmd.starts_with("blockdev-")
-        || cmd.starts_with("block-")
-        || cmd.starts_with("block_")
-        || cmd.starts_with("drive-")
-        || cmd.starts_with("x-blockdev-")
-        || matches!(
-            cmd,
-            "transaction"
-                | "change-backing-file"
-                | "nbd-server-add"
-                | "x-block-dirty-bitmap-populate"
-        );
-    // Jobs are named by job id; these look nodes up only to read them.
-    let not = cmd.starts_with("block-job-")
-        || matches!(
-            cmd,
-            "block-export-del" | "block-latency-histogram-set" | "blockdev-del"
-        );
-    block && !not
+    let block = ["blockdev-", "block-", "block_", "drive-", "x-blockdev-"]
+        .iter()
+        .any(|p| cmd.starts_with(p))
+        || NODE_COMMANDS.contains(&cmd);
+    block && !cmd.starts_with("block-job-") && !NOT_NODE_COMMANDS.contains(&cmd)
 }
 
 /// Every accelerated drive a command's arguments name: the drive's node (or the node that
@@ -115,171 +113,318 @@ fn named_drives(drives: &[DriveStatus], args: &Option<Map<String, Value>>) -> Ve
     hit
 }
 
-pub async fn command(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) -> Reply {
-    match name {
-        "block_set_io_throttle" => {
-            let id = arg(&args, "id").and_then(Value::as_str);
-            let d = id.and_then(|id| ctx.drives().into_iter().find(|d| qdev_path(d) == id));
-            match d {
-                Some(d) => set_throttle(ctx, &d, args.unwrap_or_default()).await,
-                // Other names get QEMU's own answer (its texts and classes).
-                None => forward(ctx, name, args).await,
-            }
+/// A command's arguments, as the client sent them.
+type Args = Option<Map<String, Value>>;
+type Fut<'a> = Pin<Box<dyn Future<Output = Reply> + Send + 'a>>;
+/// What the proxy does with one command instead of forwarding it as it is: called with the
+/// command's name (QEMU's spelling) and arguments; answers as QEMU would.
+type Handler = for<'a> fn(&'a Ctx, &'a str, Args) -> Fut<'a>;
+
+/// A [`Handler`] from an async body over `ctx`, the command's `name` and its `args`.
+macro_rules! handler {
+    (|$ctx:ident, $name:ident, $args:ident| $body:expr) => {{
+        fn h<'a>($ctx: &'a Ctx, $name: &'a str, $args: Args) -> Fut<'a> {
+            Box::pin(async move { $body })
         }
-        "block_resize" => resize(ctx, args).await,
-        "migrate-set-capabilities" => migrate_caps(ctx, args).await,
-        "qom-set" if arg(&args, "property").and_then(Value::as_str) == Some("limits") => {
-            group_limits(ctx, args).await
-        }
-        "nbd-server-start" => nbd::start(ctx, args).await,
-        "nbd-server-stop" => nbd::stop(ctx).await,
-        "block-export-add" => {
-            let is_nbd = arg(&args, "type").and_then(Value::as_str) == Some("nbd");
-            if is_nbd && !ctx.shared.nbd.running().await {
-                // acceld's server runs, but management's does not.
-                return Err(QmpError::generic("NBD server not running"));
-            }
-            let id = arg(&args, "id").and_then(Value::as_str).map(str::to_string);
-            let r = with_drives(ctx, name, args).await;
-            if let (Ok(_), true, Some(id)) = (&r, is_nbd, id) {
-                ctx.shared.nbd.added(&id).await;
-            }
-            r
-        }
-        "nbd-server-add" => {
-            if !ctx.shared.nbd.running().await {
-                return Err(QmpError::generic("NBD server not running"));
-            }
-            let id = arg(&args, "name")
-                .or_else(|| arg(&args, "device"))
-                .and_then(Value::as_str)
-                .map(str::to_string);
-            let r = with_drives(ctx, name, args).await;
-            if let (Ok(_), Some(id)) = (&r, id) {
-                ctx.shared.nbd.added(&id).await;
-            }
-            r
-        }
-        "block-export-del" | "nbd-server-remove" => {
-            let key = if name == "block-export-del" {
-                "id"
-            } else {
-                "name"
-            };
-            let id = arg(&args, key).and_then(Value::as_str).map(str::to_string);
-            if let Some(id) = id.as_deref().filter(|i| own_name(i)) {
-                return Err(QmpError::generic(format!("Export '{id}' is not found")));
-            }
-            let r = forward(ctx, name, args).await;
-            if let (Ok(_), Some(id)) = (&r, id) {
-                ctx.shared.nbd.deleted(&id).await;
-            }
-            r
-        }
-        "query-block" => {
-            let mut v = forward(ctx, name, args).await?;
-            let extra = block_infos(ctx).await;
-            if let Some(list) = v.as_array_mut() {
-                list.extend(extra);
-            }
-            Ok(v)
-        }
-        "query-blockstats" => {
-            let nodes = arg(&args, "query-nodes").and_then(Value::as_bool) == Some(true);
-            let mut v = forward(ctx, name, args).await?;
-            if let Some(list) = v.as_array_mut() {
-                if nodes {
-                    list.retain(|e| !e["node-name"].as_str().is_some_and(own_name));
-                    for d in ctx.drives() {
-                        if !list.iter().any(|e| e["node-name"] == node(&d)) {
-                            list.extend(synth::node_stats(&d));
-                        }
-                    }
-                } else {
-                    list.extend(ctx.drives().iter().map(synth::block_stats));
-                }
-            }
-            Ok(v)
-        }
-        "human-monitor-command" => hmp(ctx, args).await,
-        "device_add" => super::hotplug::device_add(ctx, args).await,
-        "blockdev-add" => {
-            let r = with_drives(ctx, name, args.clone()).await;
-            if r.is_ok() {
-                ctx.shared.plugged.added(&args);
-            }
-            r
-        }
-        "blockdev-del" => {
-            let r = forward(ctx, name, args.clone()).await;
-            if r.is_ok() {
-                ctx.shared.plugged.deleted(&args);
-            }
-            r
-        }
-        "snapshot-save" | "snapshot-load" | "snapshot-delete" => {
-            let job = arg(&args, "job-id")
-                .and_then(Value::as_str)
-                .map(str::to_string);
-            let held = hold_all(ctx, "the VM snapshot").await?;
-            let r = forward(ctx, name, args).await;
-            match (&r, job) {
-                // A job: the drives stay in QEMU until it ends.
-                (Ok(_), Some(job)) => {
-                    let ctx2 = ctx.again();
-                    tokio::spawn(async move {
-                        wait_job(&ctx2, &job).await;
-                        release(&ctx2, held).await;
-                    });
-                }
-                _ => release(ctx, held).await,
-            }
-            r
-        }
-        "query-yank" => {
-            let mut v = forward(ctx, name, args).await?;
-            hide_own_yank(ctx, &mut v);
-            Ok(v)
-        }
-        "query-iothreads" => {
-            let mut v = forward(ctx, name, args).await?;
-            if let Some(list) = v.as_array_mut() {
-                list.retain(|t| !t["id"].as_str().is_some_and(own_name));
-            }
-            Ok(v)
-        }
-        "qom-list" => {
-            let objects = arg(&args, "path").and_then(Value::as_str) == Some("/objects");
-            let mut v = forward(ctx, name, args).await?;
-            if let (true, Some(list)) = (objects, v.as_array_mut()) {
-                list.retain(|o| !o["name"].as_str().is_some_and(own_name));
-            }
-            Ok(v)
-        }
-        "query-block-exports" => {
-            let mut v = forward(ctx, name, args).await?;
-            if let Some(list) = v.as_array_mut() {
-                list.retain(|e| !e["id"].as_str().is_some_and(own_name));
-            }
-            Ok(v)
-        }
-        "query-named-block-nodes" => {
-            let mut v = forward(ctx, name, args).await?;
-            if let Some(list) = v.as_array_mut() {
-                list.retain(|n| !n["node-name"].as_str().is_some_and(own_name));
-                // A direct drive's nodes are gone from QEMU (docs/architecture.md): shown as
-                // QEMU showed them, so management finds the node it named.
-                for d in ctx.drives() {
-                    if !list.iter().any(|n| n["node-name"] == node(&d)) && d.data_node.is_none() {
-                        list.extend(synth::node_infos(&d));
-                    }
-                }
-            }
-            Ok(v)
-        }
-        _ if names_nodes(name) => with_drives(ctx, name, args).await,
-        _ => forward(ctx, name, args).await,
+        h as Handler
+    }};
+}
+
+/// Every command the proxy intercepts, one handler each. A command not here that names
+/// block nodes ([`names_nodes`]) is forwarded with the drives it names held on QEMU's block
+/// layer; any other goes to QEMU as it is. Each name is one QEMU 10.0.2 knows (tested
+/// against its `query-commands`).
+const HANDLERS: &[(&str, Handler)] = &[
+    (
+        "block_set_io_throttle",
+        handler!(|ctx, name, args| io_throttle(ctx, name, args).await),
+    ),
+    (
+        "block_resize",
+        handler!(|ctx, _name, args| resize(ctx, args).await),
+    ),
+    (
+        "migrate-set-capabilities",
+        handler!(|ctx, _name, args| migrate_caps(ctx, args).await),
+    ),
+    (
+        "qom-set",
+        handler!(|ctx, name, args| qom_set(ctx, name, args).await),
+    ),
+    (
+        "nbd-server-start",
+        handler!(|ctx, _name, args| nbd::start(ctx, args).await),
+    ),
+    (
+        "nbd-server-stop",
+        handler!(|ctx, _name, _args| nbd::stop(ctx).await),
+    ),
+    (
+        "block-export-add",
+        handler!(|ctx, name, args| export_add(ctx, name, args).await),
+    ),
+    (
+        "nbd-server-add",
+        handler!(|ctx, name, args| nbd_server_add(ctx, name, args).await),
+    ),
+    (
+        "block-export-del",
+        handler!(|ctx, name, args| export_del(ctx, name, args, "id").await),
+    ),
+    (
+        "nbd-server-remove",
+        handler!(|ctx, name, args| export_del(ctx, name, args, "name").await),
+    ),
+    (
+        "query-block",
+        handler!(|ctx, name, args| query_block(ctx, name, args).await),
+    ),
+    (
+        "query-blockstats",
+        handler!(|ctx, name, args| query_blockstats(ctx, name, args).await),
+    ),
+    (
+        "human-monitor-command",
+        handler!(|ctx, _name, args| hmp(ctx, args).await),
+    ),
+    (
+        "device_add",
+        handler!(|ctx, _name, args| super::hotplug::device_add(ctx, args).await),
+    ),
+    (
+        "blockdev-add",
+        handler!(|ctx, name, args| blockdev_add(ctx, name, args).await),
+    ),
+    (
+        "blockdev-del",
+        handler!(|ctx, name, args| blockdev_del(ctx, name, args).await),
+    ),
+    (
+        "snapshot-save",
+        handler!(|ctx, name, args| vm_snapshot(ctx, name, args).await),
+    ),
+    (
+        "snapshot-load",
+        handler!(|ctx, name, args| vm_snapshot(ctx, name, args).await),
+    ),
+    (
+        "snapshot-delete",
+        handler!(|ctx, name, args| vm_snapshot(ctx, name, args).await),
+    ),
+    (
+        "query-yank",
+        handler!(|ctx, name, args| query_yank(ctx, name, args).await),
+    ),
+    (
+        "query-iothreads",
+        handler!(|ctx, name, args| without_own(ctx, name, args, "id").await),
+    ),
+    (
+        "query-block-exports",
+        handler!(|ctx, name, args| without_own(ctx, name, args, "id").await),
+    ),
+    (
+        "qom-list",
+        handler!(|ctx, name, args| qom_list(ctx, name, args).await),
+    ),
+    (
+        "query-named-block-nodes",
+        handler!(|ctx, name, args| named_block_nodes(ctx, name, args).await),
+    ),
+];
+
+/// The proxy's answer to a command of a management client.
+pub async fn command(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    match HANDLERS.iter().find(|(n, _)| *n == name) {
+        Some((_, h)) => h(ctx, name, args).await,
+        None => unhandled(ctx, name, args).await,
     }
+}
+
+/// A command without a handler (or one its handler leaves alone): forwarded, with the
+/// drives it names held on QEMU's block layer if it names block nodes.
+async fn unhandled(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    if names_nodes(name) {
+        with_drives(ctx, name, args).await
+    } else {
+        forward(ctx, name, args).await
+    }
+}
+
+/// `block_set_io_throttle` by an accelerated drive's QOM path: acceld's throttle.
+async fn io_throttle(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    let id = arg(&args, "id").and_then(Value::as_str);
+    let d = id.and_then(|id| ctx.drives().into_iter().find(|d| qdev_path(d) == id));
+    match d {
+        Some(d) => set_throttle(ctx, &d, args.unwrap_or_default()).await,
+        // Other names get QEMU's own answer (its texts and classes).
+        None => forward(ctx, name, args).await,
+    }
+}
+
+/// `qom-set`: a throttle group's `limits` concern the accelerated drives in the group.
+async fn qom_set(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    if arg(&args, "property").and_then(Value::as_str) == Some("limits") {
+        group_limits(ctx, args).await
+    } else {
+        unhandled(ctx, name, args).await
+    }
+}
+
+/// `block-export-add`: an NBD export needs management's server (acceld's own one runs
+/// apart); the export is remembered, so `nbd-server-stop` ends it as QEMU would.
+async fn export_add(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    let is_nbd = arg(&args, "type").and_then(Value::as_str) == Some("nbd");
+    if is_nbd && !ctx.shared.nbd.running().await {
+        // acceld's server runs, but management's does not.
+        return Err(QmpError::generic("NBD server not running"));
+    }
+    let id = arg(&args, "id").and_then(Value::as_str).map(str::to_string);
+    let r = with_drives(ctx, name, args).await;
+    if let (Ok(_), true, Some(id)) = (&r, is_nbd, id) {
+        ctx.shared.nbd.added(&id).await;
+    }
+    r
+}
+
+/// `nbd-server-add` (the legacy form): as `block-export-add` of an NBD export.
+async fn nbd_server_add(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    if !ctx.shared.nbd.running().await {
+        return Err(QmpError::generic("NBD server not running"));
+    }
+    let id = arg(&args, "name")
+        .or_else(|| arg(&args, "device"))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let r = with_drives(ctx, name, args).await;
+    if let (Ok(_), Some(id)) = (&r, id) {
+        ctx.shared.nbd.added(&id).await;
+    }
+    r
+}
+
+/// `block-export-del` / `nbd-server-remove` (the export named by `key`): acceld's own
+/// exports do not exist for management.
+async fn export_del(ctx: &Ctx, name: &str, args: Args, key: &str) -> Reply {
+    let id = arg(&args, key).and_then(Value::as_str).map(str::to_string);
+    if let Some(id) = id.as_deref().filter(|i| own_name(i)) {
+        return Err(QmpError::generic(format!("Export '{id}' is not found")));
+    }
+    let r = forward(ctx, name, args).await;
+    if let (Ok(_), Some(id)) = (&r, id) {
+        ctx.shared.nbd.deleted(&id).await;
+    }
+    r
+}
+
+/// `query-block`: QEMU's list and the accelerated drives, as QEMU shows a virtio-blk drive.
+async fn query_block(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    let mut v = forward(ctx, name, args).await?;
+    let extra = block_infos(ctx).await;
+    if let Some(list) = v.as_array_mut() {
+        list.extend(extra);
+    }
+    Ok(v)
+}
+
+/// `query-blockstats`: the accelerated drives' counters added (by device, or by node with
+/// `query-nodes`), acceld's own nodes hidden.
+async fn query_blockstats(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    let nodes = arg(&args, "query-nodes").and_then(Value::as_bool) == Some(true);
+    let mut v = forward(ctx, name, args).await?;
+    if let Some(list) = v.as_array_mut() {
+        if nodes {
+            list.retain(|e| !e["node-name"].as_str().is_some_and(own_name));
+            for d in ctx.drives() {
+                if !list.iter().any(|e| e["node-name"] == node(&d)) {
+                    list.extend(synth::node_stats(&d));
+                }
+            }
+        } else {
+            list.extend(ctx.drives().iter().map(synth::block_stats));
+        }
+    }
+    Ok(v)
+}
+
+/// `blockdev-add`: a node over an accelerated drive holds it; every node added is
+/// remembered for a `device_add` that may plug it (`hotplug`).
+async fn blockdev_add(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    let r = with_drives(ctx, name, args.clone()).await;
+    if r.is_ok() {
+        ctx.shared.plugged.added(&args);
+    }
+    r
+}
+
+async fn blockdev_del(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    let r = forward(ctx, name, args.clone()).await;
+    if r.is_ok() {
+        ctx.shared.plugged.deleted(&args);
+    }
+    r
+}
+
+/// `snapshot-save` / `snapshot-load` / `snapshot-delete`: every drive held first, so the
+/// snapshot covers them all; with a job, until the job ends.
+async fn vm_snapshot(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    let job = arg(&args, "job-id")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let held = hold_all(ctx, "the VM snapshot").await?;
+    let r = forward(ctx, name, args).await;
+    match (&r, job) {
+        // A job: the drives stay in QEMU until it ends.
+        (Ok(_), Some(job)) => {
+            let ctx2 = ctx.again();
+            tokio::spawn(async move {
+                wait_job(&ctx2, &job).await;
+                release(&ctx2, held).await;
+            });
+        }
+        _ => release(ctx, held).await,
+    }
+    r
+}
+
+async fn query_yank(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    let mut v = forward(ctx, name, args).await?;
+    hide_own_yank(ctx, &mut v);
+    Ok(v)
+}
+
+/// A list whose entries acceld made (`key` named `accel-…`) left out.
+async fn without_own(ctx: &Ctx, name: &str, args: Args, key: &str) -> Reply {
+    let mut v = forward(ctx, name, args).await?;
+    if let Some(list) = v.as_array_mut() {
+        list.retain(|e| !e[key].as_str().is_some_and(own_name));
+    }
+    Ok(v)
+}
+
+/// `qom-list` of `/objects`: acceld's objects left out.
+async fn qom_list(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    let objects = arg(&args, "path").and_then(Value::as_str) == Some("/objects");
+    let mut v = forward(ctx, name, args).await?;
+    if let (true, Some(list)) = (objects, v.as_array_mut()) {
+        list.retain(|o| !o["name"].as_str().is_some_and(own_name));
+    }
+    Ok(v)
+}
+
+async fn named_block_nodes(ctx: &Ctx, name: &str, args: Args) -> Reply {
+    let mut v = forward(ctx, name, args).await?;
+    if let Some(list) = v.as_array_mut() {
+        list.retain(|n| !n["node-name"].as_str().is_some_and(own_name));
+        // A direct drive's nodes are gone from QEMU (docs/architecture.md): shown as
+        // QEMU showed them, so management finds the node it named.
+        for d in ctx.drives() {
+            if !list.iter().any(|n| n["node-name"] == node(&d)) && d.data_node.is_none() {
+                list.extend(synth::node_infos(&d));
+            }
+        }
+    }
+    Ok(v)
 }
 
 /// acceld's vhost-user sockets (`DRIVE-sock` chardevs of the VM contract) are not
@@ -519,6 +664,71 @@ mod tests {
         d.node = id.into();
         d.file_node = Some(format!("{id}-file"));
         d
+    }
+
+    /// QEMU 10.0.2's commands (`query-commands`, recorded).
+    fn qemu_commands() -> Vec<&'static str> {
+        include_str!("testdata/query-commands-qemu-10.0.2.txt")
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .collect()
+    }
+
+    /// A handler under a name QEMU does not have would never run (and the command would go
+    /// to QEMU as it is): each is spelled as QEMU spells it, once.
+    #[test]
+    fn every_handler_is_for_a_qemu_command_and_there_is_one_each() {
+        let known = qemu_commands();
+        let mut seen = std::collections::HashSet::new();
+        for (name, _) in HANDLERS {
+            assert!(known.contains(name), "{name}: not a QEMU 10.0.2 command");
+            assert!(seen.insert(*name), "{name}: two handlers");
+        }
+        for name in NODE_COMMANDS.iter().chain(NOT_NODE_COMMANDS) {
+            assert!(known.contains(name), "{name}: not a QEMU 10.0.2 command");
+        }
+    }
+
+    /// Which of QEMU's commands hold the drives they name.
+    #[test]
+    fn block_commands_that_name_nodes() {
+        let known = qemu_commands();
+        let holding: Vec<&str> = known.iter().copied().filter(|c| names_nodes(c)).collect();
+        for c in [
+            "blockdev-mirror",
+            "blockdev-backup",
+            "blockdev-snapshot",
+            "blockdev-snapshot-sync",
+            "blockdev-reopen",
+            "block-commit",
+            "block-stream",
+            "block-dirty-bitmap-add",
+            "block-export-add",
+            "block_resize",
+            "block_set_io_throttle",
+            "drive-mirror",
+            "drive-backup",
+            "transaction",
+            "change-backing-file",
+            "nbd-server-add",
+        ] {
+            assert!(holding.contains(&c), "{c} holds the drives it names");
+        }
+        for c in [
+            "block-job-cancel",
+            "block-job-complete",
+            "block-job-pause",
+            "blockdev-del",
+            "block-export-del",
+            "block-latency-histogram-set",
+            "query-block",
+            "device_add",
+            "qom-set",
+            "job-complete",
+        ] {
+            assert!(known.contains(&c), "{c}: a QEMU command");
+            assert!(!holding.contains(&c), "{c} does not hold a drive");
+        }
     }
 
     fn args(v: Value) -> Option<Map<String, Value>> {
