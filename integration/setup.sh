@@ -27,8 +27,9 @@ if ! qemu-system-x86_64 --version 2>/dev/null | grep -q 'version 10'; then
   apt-get install -y -q -t bookworm-backports qemu-system-x86 qemu-utils
 fi
 # apparmor: apparmor_parser checks the rules `accelctl libvirt install` writes for libvirt's
-# confined QEMU (this kernel cannot enforce them; see docs/libvirt.md).
-apt-get install -y -q busybox-static cpio xz-utils fio g++ python3-venv apparmor >/dev/null
+# confined QEMU (this kernel cannot enforce them; see docs/libvirt.md). gdb: the stacks of a
+# test's QEMU that does not exit (accel_integration::backtraces).
+apt-get install -y -q busybox-static cpio xz-utils fio g++ python3-venv apparmor gdb >/dev/null
 if ! libvirtd --version 2>/dev/null | grep -q ' 11\.'; then
   # Each package pinned to backports (`-t` would pull systemd and more from there too); no
   # init script starts a daemon meanwhile (libvirt-up.sh does, after configuring it).

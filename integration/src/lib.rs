@@ -1,10 +1,11 @@
 //! Real-QEMU scenarios: the tiny guest (built by `guest/build.sh`), acceld as a real process,
 //! and QEMU (TCG) booting the guest with its disk on acceld's socket.
 
-use std::io::{BufRead, BufReader, Read};
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -170,6 +171,47 @@ pub struct Guest {
     stdin: Option<std::process::ChildStdin>,
     lines: mpsc::Receiver<String>,
     pub output: Vec<String>,
+    /// The last [`TRACE_KEEP`] lines of QEMU's own trace ([`TRACE_EVENTS`]), kept apart from
+    /// the output and shown when QEMU does not exit.
+    trace: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// QEMU trace events every test guest records (QEMU's `log` trace back-end, on its stderr):
+/// the vhost-user messages and device start/stop, the run states, the shutdown request and
+/// the NBD server's connections. Few per second outside a switch; enough to tell where a
+/// QEMU that does not exit stopped.
+pub const TRACE_EVENTS: &[&str] = &[
+    "vhost_user_write",
+    "vhost_user_read",
+    "vhost_user_event",
+    "vhost_dev_start",
+    "vhost_dev_stop",
+    "vm_state_notify",
+    "runstate_set",
+    "qemu_system_shutdown_request",
+    "nbd_negotiate_begin",
+    "nbd_negotiate_success",
+    "nbd_handshake_timer_cb",
+    "blk_root_attach",
+    "blk_root_detach",
+];
+
+/// How many trace lines a [`Guest`] keeps.
+pub const TRACE_KEEP: usize = 400;
+
+/// `-trace` for each of [`TRACE_EVENTS`], and thread names (`debug-threads=on`, merged with
+/// any other `-name`) so a stuck thread says what it is.
+fn diagnostic_args(cmd: &mut Command) {
+    for e in TRACE_EVENTS {
+        cmd.arg("-trace").arg(e);
+    }
+    cmd.args(["-name", "debug-threads=on"]);
+}
+
+fn is_trace_line(l: &str) -> bool {
+    TRACE_EVENTS
+        .iter()
+        .any(|e| l.strip_prefix(e).is_some_and(|r| r.starts_with(' ')))
 }
 
 fn b64(data: &[u8]) -> String {
@@ -220,6 +262,7 @@ impl Guest {
                 "none",
             ])
             .args(["-no-reboot", "-serial", "stdio"]);
+        diagnostic_args(&mut cmd);
         direct_kernel(&mut cmd, &kernel, &initrd, spec.script);
         for (i, d) in spec.disks.iter().enumerate() {
             cmd.arg("-chardev").arg(format!(
@@ -267,6 +310,7 @@ impl Guest {
             .args(extra)
             .args(["-smp", "2", "-nodefaults", "-no-user-config"])
             .args(["-display", "none", "-no-reboot", "-serial", "stdio"]);
+        diagnostic_args(&mut cmd);
         direct_kernel(&mut cmd, &kernel, &initrd, script);
         Self::spawn(cmd)
     }
@@ -287,12 +331,20 @@ impl Guest {
                 let _ = tx.send(l);
             }
         });
-        let mut err = child.stderr.take().expect("piped");
+        let err = child.stderr.take().expect("piped");
+        let trace = Arc::new(Mutex::new(VecDeque::with_capacity(TRACE_KEEP)));
+        let trace2 = trace.clone();
         std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
-            for l in s.lines() {
-                let _ = tx2.send(format!("qemu: {l}"));
+            for l in BufReader::new(err).lines().map_while(|l| l.ok()) {
+                if is_trace_line(&l) {
+                    let mut t = trace2.lock().unwrap_or_else(|p| p.into_inner());
+                    if t.len() == TRACE_KEEP {
+                        t.pop_front();
+                    }
+                    t.push_back(l);
+                } else {
+                    let _ = tx2.send(format!("qemu: {l}"));
+                }
             }
         });
         Ok(Guest {
@@ -300,6 +352,7 @@ impl Guest {
             stdin,
             lines: rx,
             output: Vec::new(),
+            trace,
         })
     }
 
@@ -352,6 +405,12 @@ impl Guest {
         self.wait_exit(Duration::from_secs(10))
     }
 
+    /// The trace lines kept ([`TRACE_EVENTS`]), oldest first.
+    pub fn trace_text(&self) -> String {
+        let t = self.trace.lock().unwrap_or_else(|p| p.into_inner());
+        t.iter().map(String::as_str).collect::<Vec<_>>().join("\n")
+    }
+
     /// Waits for the guest to power off; returns all its output.
     pub fn wait_exit(&mut self, timeout: Duration) -> Result<Vec<String>> {
         let deadline = Instant::now() + timeout;
@@ -367,10 +426,15 @@ impl Guest {
                 return Ok(self.output.clone());
             }
             if Instant::now() >= deadline {
-                let threads = thread_states(self.child.id());
+                let pid = self.child.id();
+                let threads = thread_states(pid);
+                let stacks = backtraces(pid);
                 let _ = self.child.kill();
                 bail!(
-                    "guest did not finish within {timeout:?}; QEMU's threads:\n{threads}\noutput:\n{}",
+                    "guest did not finish within {timeout:?}; QEMU's threads:\n{threads}\n\
+                     their stacks:\n{stacks}\nQEMU's trace (last {TRACE_KEEP} lines):\n{}\n\
+                     output:\n{}",
+                    self.trace_text(),
                     self.output.join("\n")
                 );
             }
@@ -409,13 +473,21 @@ pub fn thread_states(pid: u32) -> String {
             .and_then(|r| r.split(' ').next())
             .unwrap_or("?");
         let syscall = read("syscall");
-        let fd = syscall
+        let args: Vec<u64> = syscall
             .split_whitespace()
-            .nth(1)
-            .and_then(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok())
-            .and_then(|fd| std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok())
-            .map(|l| format!(" fd1={}", l.display()))
-            .unwrap_or_default();
+            .map(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).unwrap_or(u64::MAX))
+            .collect();
+        let link = |fd: u64| {
+            std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
+                .map(|l| l.display().to_string())
+                .unwrap_or_else(|_| "?".into())
+        };
+        let fd = match args.as_slice() {
+            // poll(2) and ppoll(2): the descriptors of the pollfd array.
+            [7 | 271, fds, n, ..] => format!(" polls=[{}]", poll_fds(pid, *fds, *n, &link)),
+            [_, fd, ..] if *fd < 4096 => format!(" fd1={}", link(*fd)),
+            _ => String::new(),
+        };
         out.push_str(&format!(
             "  {} {} {state} syscall={}{fd} wchan={}\n",
             t.file_name().to_string_lossy(),
@@ -441,6 +513,50 @@ pub fn thread_states(pid: u32) -> String {
         out.push_str(&format!("  fds: {}\n", links.join(" ")));
     }
     out
+}
+
+/// The `n` (at most 64) `struct pollfd` at `addr` in process `pid`, as `fd:link`.
+fn poll_fds(pid: u32, addr: u64, n: u64, link: &dyn Fn(u64) -> String) -> String {
+    use std::os::unix::fs::FileExt;
+    let n = n.min(64) as usize;
+    let mut buf = vec![0u8; n * 8];
+    let Ok(mem) = std::fs::File::open(format!("/proc/{pid}/mem")) else {
+        return "?".into();
+    };
+    if mem.read_exact_at(&mut buf, addr).is_err() {
+        return "?".into();
+    }
+    buf.chunks(8)
+        .map(|p| {
+            let fd = i32::from_ne_bytes([p[0], p[1], p[2], p[3]]);
+            let ev = i16::from_ne_bytes([p[4], p[5]]);
+            format!(
+                "{fd}:{}/{ev:#x}",
+                link(u64::try_from(fd).unwrap_or(u64::MAX))
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Every thread's stack of process `pid` (`gdb -batch`, at most 30 s; QEMU's own frames are
+/// addresses without its debug symbols, the libraries' are named).
+pub fn backtraces(pid: u32) -> String {
+    let out = Command::new("timeout")
+        .args(["30", "gdb", "-nx", "-batch", "-p"])
+        .arg(pid.to_string())
+        .args(["-ex", "thread apply all bt 16"])
+        .stdin(Stdio::null())
+        .output();
+    match out {
+        Ok(o) => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| l.starts_with('#') || l.starts_with("Thread "))
+            .take(400)
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Err(e) => format!("(gdb: {e})"),
+    }
 }
 
 /// The next line from `lines` containing `needle`, within `timeout`; every line read is kept

@@ -126,6 +126,13 @@ impl AcceldRun {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The last `n` lines of acceld's log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = self.log_text();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
     /// Runs accelctl; returns (exit code, stdout, stderr).
     pub fn ctl(&self, args: &[&str]) -> Result<(i32, String, String)> {
         let out = Command::new(accelctl_bin()?)

@@ -67,9 +67,11 @@ fn pct(v: &Value, k: &str) -> String {
     )
 }
 
-fn finish_guest(g: &mut Guest) -> Result<Vec<String>> {
+fn finish_guest(g: &mut Guest, acc: &AcceldRun) -> Result<Vec<String>> {
     g.send_line("STOP")?;
-    let out = g.wait_exit(Duration::from_secs(180))?;
+    let out = g
+        .wait_exit(Duration::from_secs(180))
+        .map_err(|e| anyhow::anyhow!("{e}\nacceld log (end):\n{}", acc.log_tail(300)))?;
     if !out.iter().any(|l| l.contains("RESULT: PASS")) {
         bail!("guest failed:\n{}", out.join("\n"));
     }
@@ -249,7 +251,7 @@ fn raw_drive_story_under_guest_writes() -> Result<()> {
     assert_eq!(acc.drive("vm1", "d0")?["engine"], "direct");
     std::thread::sleep(Duration::from_secs(2));
 
-    let out = finish_guest(&mut g)?;
+    let out = finish_guest(&mut g, &acc)?;
     let md5 = guest_value(&out, "md5")?;
     let iters = guest_value(&out, "iterations")?;
     assert_eq!(
@@ -302,7 +304,7 @@ fn qcow2_drive_is_served_by_qemu() -> Result<()> {
     acc.ctl_ok(&["accelerate", "vm2", "d1"])?;
     assert_eq!(acc.drive("vm2", "d1")?["engine"], "qemu");
     std::thread::sleep(Duration::from_secs(3));
-    let out = finish_guest(&mut g)?;
+    let out = finish_guest(&mut g, &acc)?;
     let md5 = guest_value(&out, "md5")?;
     assert_eq!(
         qcow2_md5(&img, 8 * 32 * 4096)?,
@@ -408,7 +410,7 @@ fn acceld_run_sigkilled_twenty_times_under_guest_writes() -> Result<()> {
     }
     let d = acc.drive("vm1", "d0")?;
     assert_eq!(d["engine"], "direct", "{d}");
-    let out = finish_guest(&mut g)?;
+    let out = finish_guest(&mut g, &acc)?;
     assert_eq!(guest_value(&out, "errors").unwrap(), "0", "{out:?}");
     assert_eq!(guest_value(&out, "kernel_errors").unwrap(), "0", "{out:?}");
     let md5 = guest_value(&out, "md5").unwrap();
