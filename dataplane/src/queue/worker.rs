@@ -12,15 +12,14 @@
 //! allocated with a size the guest chose. Buffers that O_DIRECT cannot use (misaligned) go
 //! through a fixed per-queue bounce pool, chunk by chunk.
 
-use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::{error, warn};
-use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -32,14 +31,21 @@ use crate::queue::inflight::InflightQueue;
 use crate::util::lock;
 
 mod bounce;
+mod engines;
+mod holds;
+mod poller;
 mod request;
+mod ring;
+mod slots;
 
 use crate::virtio_blk::{self, Layout};
 use bounce::BouncePool;
-use request::InFlight;
-
-/// The call eventfd, which the frontend may replace while the queue runs.
-pub type CallHandle = Arc<Mutex<Option<EventFd>>>;
+use engines::{Engines, Swapped, TOKEN_IO, TOKEN_IO_OLD};
+use holds::Holds;
+use poller::Poller;
+use ring::Ring;
+pub use ring::{CallHandle, RingError};
+use slots::Slots;
 
 /// Most data segments (descriptor pieces) one request may have. seg_max is 126; indirect
 /// tables may hold more, up to this bound; longer requests get IOERR.
@@ -57,10 +63,7 @@ const IDLE_YIELD_AFTER: Duration = Duration::from_micros(4);
 const SLEPT: Duration = Duration::from_micros(5);
 
 const TOKEN_KICK: u64 = 0;
-const TOKEN_IO: u64 = 1;
 const TOKEN_CTL: u64 = 2;
-/// The completion fd of the engine an overlapped switch left (its requests finish there).
-const TOKEN_IO_OLD: u64 = 3;
 
 /// What the worker does with its ring: the drive's pause, lend and stop requests
 /// (`QueueCtl`) move it from one to the next.
@@ -74,7 +77,7 @@ const TOKEN_IO_OLD: u64 = 3;
 ///
 /// A ring the driver corrupted is not a mode: a broken queue still pauses, drains, is lent
 /// (never: nothing of it is popped) and stops as any other; it only pops nothing more
-/// (`Worker::broken`).
+/// (`Ring::broken`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
     /// Pops and serves.
@@ -89,14 +92,6 @@ enum Mode {
     Lent,
     /// A stop was asked: the worker ends once nothing is in flight.
     Stopping,
-}
-
-/// The engine before an overlapped switch, while requests popped before it finish there.
-struct OldIo {
-    io: Box<dyn QueueIo>,
-    engine: Arc<dyn Engine>,
-    /// Requests still on it (slots marked `on_old`).
-    in_flight: usize,
 }
 
 /// A running worker. [`WorkerHandle::stop`] drains it and gives the ring back.
@@ -156,24 +151,6 @@ pub struct WorkerParams {
 /// `used_log` when the ring's used ring is not logged (no VHOST_VRING_F_LOG).
 pub const NO_USED_LOG: u64 = u64::MAX;
 
-/// A ring the driver corrupted: the queue stops (QEMU's `virtio_error` marks the device
-/// broken for the same cases in `virtqueue_pop`).
-#[derive(Debug, thiserror::Error)]
-pub enum RingError {
-    #[error("the avail index moved from {next} to {avail}, more than the queue size {size}")]
-    AvailIndex { next: u16, avail: u16, size: u16 },
-    #[error("the driver says descriptor {head} is available; the queue has {size}")]
-    Head { head: u16, size: u16 },
-    #[error("cannot access the ring in guest memory ({0})")]
-    Access(String),
-    /// The avail index moves with the device's own writes (rings that overlap): re-checking
-    /// it after re-enabling notifications would never end.
-    #[error(
-        "the avail index changes under the device's own notification writes (overlapping rings)"
-    )]
-    Unstable,
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     #[error("cannot create the worker's eventfd or epoll set")]
@@ -226,96 +203,30 @@ pub fn spawn(p: WorkerParams) -> Result<WorkerHandle, WorkerError> {
     }
 }
 
-/// How long a worker busy-polls before sleeping, adapted like QEMU's event loop
-/// (`poll-max-ns`, `poll-grow`, `poll-shrink`): a wait that polling would have caught (shorter
-/// than the maximum) doubles the window, starting at 4 µs; a longer wait means the queue went
-/// idle and turns polling off until waits are short again. An idle drive costs nothing, a
-/// steady low-depth stream never sleeps between requests.
-#[derive(Debug)]
-struct AdaptivePoll {
-    max: Duration,
-    window: Duration,
-}
-
-impl AdaptivePoll {
-    const START: Duration = Duration::from_micros(4);
-
-    fn new(max_us: u32) -> Self {
-        AdaptivePoll {
-            max: Duration::from_micros(u64::from(max_us)),
-            window: Duration::ZERO,
-        }
-    }
-
-    /// After a sleep: `waited` is the time from when polling started to the wake-up.
-    fn adapt(&mut self, waited: Duration) {
-        if self.max.is_zero() || waited <= self.window {
-            return;
-        }
-        if waited > self.max {
-            self.window = Duration::ZERO;
-        } else if self.window < self.max {
-            self.window = (self.window * 2).max(Self::START).min(self.max);
-        }
-    }
-}
-
 struct Worker {
     drive: Arc<Drive>,
     index: usize,
-    queue: Queue,
-    mem: MemHandle,
-    kick: EventFd,
-    call: CallHandle,
-    err: CallHandle,
-    inflight: Option<InflightQueue>,
-    /// The order of the next popped request (inflight tracking).
-    inflight_counter: u64,
-    resubmit: Vec<u16>,
-    log: Arc<DirtyLog>,
-    used_log: Arc<AtomicU64>,
-    /// The driver corrupted the ring: nothing more is popped until the frontend resets the
-    /// queue (a new worker). Requests already popped complete.
-    broken: bool,
-    /// Requests held after an error their policy holds (werror=enospc, stop): still in
-    /// flight, retried every HOLD_RETRY or on request, in their order.
-    held: VecDeque<usize>,
-    /// Held requests resubmitted by a retry and not finished yet.
-    retrying: usize,
-    next_retry: Option<Instant>,
-    /// Requests were held: once the last one went through, take new ones again.
-    was_holding: bool,
+    /// What the worker does with its ring (the drive's pause, lend and stop requests).
+    mode: Mode,
     ctl: Arc<QueueCtl>,
-    io: Box<dyn QueueIo>,
-    engine: Arc<dyn Engine>,
-    /// The engine an overlapped switch left, until its last request completed.
-    old: Option<OldIo>,
-    /// A swap that came while `old` still had requests (the drive never sends one): taken
-    /// when `old` retires, so no old engine is dropped with requests on it.
-    pending_swap: Option<NextEngine>,
     epoll: Epoll,
-    slots: Vec<InFlight>,
-    free: Vec<usize>,
-    in_flight: usize,
+    /// The guest's ring and what goes with it.
+    ring: Ring,
+    /// A slot per descriptor: the requests in flight.
+    slots: Slots,
+    /// Requests held after an error their policy holds.
+    holds: Holds,
+    /// The engine requests go to (and the one an overlapped switch left).
+    engines: Engines,
+    poller: Poller,
     layout: Layout,
     /// The type in the last decoded request header (for accounting a rejected request).
     req_type: Option<u32>,
     completions: Vec<(u64, i32)>,
     bounce: BouncePool,
-    bounce_wait: VecDeque<usize>,
     id: [u8; virtio_blk::ID_BYTES],
-    mode: Mode,
-    /// The next batch interrupts the driver whatever EVENT_IDX says (after a lend, the
-    /// notification state the queue kept is stale).
-    force_call: bool,
     /// Stopped popping because no slot was free.
     starved: bool,
-    used_added: bool,
-    poll: AdaptivePoll,
-    /// Inside `poll`: guest notifications stay off.
-    polling: bool,
-    /// Since when this worker has run without sleeping or yielding.
-    on_cpu_since: Instant,
     /// `process_avail` stopped at its budget with requests left in the ring.
     backlog: bool,
 }
@@ -330,7 +241,7 @@ impl Worker {
     ) -> Self {
         let n = usize::from(p.queue.size()).max(1);
         let id = virtio_blk::id_bytes(&p.drive.config().serial);
-        let poll = AdaptivePoll::new(p.drive.config().poll_us);
+        let poller = Poller::new(p.drive.config().poll_us);
         let mode = if lock(&ctl.st).pause {
             Mode::Pausing
         } else {
@@ -339,46 +250,34 @@ impl Worker {
         Worker {
             index: p.index,
             drive: p.drive,
-            queue: p.queue,
-            mem: p.mem,
-            kick: p.kick,
-            call: p.call,
-            err: p.err,
-            inflight_counter: p.inflight.as_ref().map_or(0, InflightQueue::next_counter),
-            inflight: p.inflight,
-            resubmit: p.resubmit,
-            log: p.log,
-            used_log: p.used_log,
-            broken: false,
-            held: VecDeque::new(),
-            retrying: 0,
-            next_retry: None,
-            was_holding: false,
+            ring: Ring {
+                queue: p.queue,
+                mem: p.mem,
+                kick: p.kick,
+                call: p.call,
+                err: p.err,
+                inflight_counter: p.inflight.as_ref().map_or(0, InflightQueue::next_counter),
+                inflight: p.inflight,
+                resubmit: p.resubmit,
+                log: p.log,
+                used_log: p.used_log,
+                broken: false,
+                force_call: false,
+                used_added: false,
+            },
+            holds: Holds::default(),
+            engines: Engines::new(io, engine, p.index),
             ctl,
-            io,
-            engine,
-            old: None,
-            pending_swap: None,
             epoll,
-            slots: (0..n).map(|_| InFlight::new()).collect(),
-            free: (0..n).rev().collect(),
-            in_flight: 0,
+            slots: Slots::new(n),
             layout: Layout::with_capacity(MAX_SEGS),
             req_type: None,
             completions: Vec::with_capacity(n),
-            bounce: BouncePool {
-                bufs: Vec::new(),
-                free: Vec::new(),
-            },
-            bounce_wait: VecDeque::new(),
+            bounce: BouncePool::default(),
             id,
             mode,
-            force_call: false,
             starved: false,
-            used_added: false,
-            poll,
-            polling: false,
-            on_cpu_since: Instant::now(),
+            poller,
             backlog: false,
         }
     }
@@ -396,7 +295,7 @@ impl Worker {
         self.call_unconditionally();
         let mut events = vec![EpollEvent::default(); 8];
         loop {
-            if matches!(self.mode, Mode::Pausing | Mode::Stopping) && self.in_flight == 0 {
+            if matches!(self.mode, Mode::Pausing | Mode::Stopping) && self.slots.in_flight() == 0 {
                 if self.mode == Mode::Pausing {
                     self.mode = Mode::Paused;
                     // A lend asked with the pause parks before the acknowledgement.
@@ -408,23 +307,19 @@ impl Worker {
                 }
             }
             let waiting_since = Instant::now();
-            self.share_cpu(waiting_since, YIELD_AFTER);
+            self.poller.share_cpu(waiting_since, YIELD_AFTER);
             if self.backlog && self.mode == Mode::Running {
                 self.process_avail();
                 self.notify();
                 continue;
             }
-            if !self.poll.window.is_zero() && self.mode == Mode::Running && self.poll() {
+            if !self.poller.window().is_zero() && self.mode == Mode::Running && self.poll() {
                 // Work came within the window: go on polling.
                 continue;
             }
             let before_wait = Instant::now();
             // Held requests are retried on a timer: sleep no longer than the next retry.
-            let timeout = self.next_retry.map_or(-1, |t| {
-                t.saturating_duration_since(before_wait)
-                    .as_millis()
-                    .min(1000) as i32
-            });
+            let timeout = self.holds.timeout_ms(before_wait);
             let n = match self.epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -434,9 +329,9 @@ impl Worker {
                 }
             };
             let woke = Instant::now();
-            self.poll.adapt(woke - waiting_since);
+            self.poller.adaptive.adapt(woke - waiting_since);
             if woke - before_wait >= SLEPT {
-                self.on_cpu_since = woke;
+                self.poller.slept(woke);
             }
             for ev in &events[..n] {
                 match ev.data() {
@@ -445,7 +340,7 @@ impl Worker {
                     // take a kick from it; QEMU's export panics on an empty read).
                     TOKEN_KICK if self.mode == Mode::Lent => {}
                     TOKEN_KICK => {
-                        let _ = self.kick.read();
+                        let _ = self.ring.kick.read();
                         self.process_avail();
                     }
                     TOKEN_IO | TOKEN_IO_OLD => self.reap(),
@@ -456,12 +351,11 @@ impl Worker {
                     _ => {}
                 }
             }
-            if self.next_retry.is_some_and(|t| Instant::now() >= t) {
+            if self.holds.retry_due(Instant::now()) {
                 self.retry_held();
             }
-            if self.was_holding && !self.holding() {
+            if self.holds.released() {
                 // Every held request went through: take the ones that waited behind them.
-                self.was_holding = false;
                 self.process_avail();
             }
             self.notify();
@@ -477,16 +371,14 @@ impl Worker {
         let mem = self.memory();
         let t0 = Instant::now();
         let mut spins = 0u32;
-        self.polling = true;
+        self.poller.polling = true;
         let found = loop {
             let mut busy = false;
-            if self.io.has_completions()
-                || self.old.as_mut().is_some_and(|o| o.io.has_completions())
-            {
+            if self.engines.has_completions() {
                 self.reap();
                 busy = true;
             }
-            if !self.free.is_empty() && self.avail_pending(&mem) {
+            if self.slots.has_free() && self.avail_pending(&mem) {
                 self.process_avail();
                 busy = true;
             }
@@ -497,15 +389,15 @@ impl Worker {
             spins = spins.wrapping_add(1);
             if spins % 32 == 0 {
                 let now = Instant::now();
-                if self.ctl.pending() || now - t0 >= self.poll.window {
+                if self.ctl.pending() || now - t0 >= self.poller.window() {
                     break false;
                 }
                 // Idle: another queue's worker on this core may have work; let it in soon.
-                self.share_cpu(now, IDLE_YIELD_AFTER);
+                self.poller.share_cpu(now, IDLE_YIELD_AFTER);
             }
             std::hint::spin_loop();
         };
-        self.polling = false;
+        self.poller.polling = false;
         if !found {
             // Back to sleeping: notifications on, and whatever came in meanwhile is handled.
             self.process_avail();
@@ -514,72 +406,28 @@ impl Worker {
         found
     }
 
-    /// Lets the other threads of this core run once this worker has been `after` on the CPU
-    /// without a sleep ([`YIELD_AFTER`] when working, [`IDLE_YIELD_AFTER`] when only
-    /// spinning). A busy queue (polling, or always finding more work) never sleeps; without
-    /// this, two such queues on one core would take turns of a whole scheduler slice (4 ms of
-    /// latency for the waiting one), and a polling queue would delay any other thread there.
-    fn share_cpu(&mut self, now: Instant, after: Duration) {
-        if now - self.on_cpu_since >= after {
-            std::thread::yield_now();
-            self.on_cpu_since = Instant::now();
-        }
-    }
-
     /// Whether the driver has made requests available that were not popped yet (never for a
     /// broken ring: nothing more is popped from it).
     fn avail_pending(&self, mem: &Mem) -> bool {
-        !self.broken
-            && !self.holding()
+        !self.ring.broken
+            && !self.holds.holding()
             && self
+                .ring
                 .queue
                 .avail_idx(mem, Ordering::Acquire)
-                .is_ok_and(|a| a.0 != self.queue.next_avail())
-    }
-
-    /// The next available chain, checked as QEMU's `virtqueue_pop` checks it: the avail index
-    /// may run ahead of what was popped by at most the queue size, and the head must name a
-    /// descriptor of the table. Either violation is a broken ring, not a bad request.
-    fn pop<'m>(&mut self, mem: &'m Mem) -> Result<Option<DescriptorChain<&'m Mem>>, RingError> {
-        let size = self.queue.size();
-        let next = self.queue.next_avail();
-        let avail = self
-            .queue
-            .avail_idx(mem, Ordering::Acquire)
-            .map_err(|e| RingError::Access(e.to_string()))?
-            .0;
-        let pending = avail.wrapping_sub(next);
-        if pending == 0 {
-            return Ok(None);
-        }
-        if pending > size {
-            return Err(RingError::AvailIndex { next, avail, size });
-        }
-        let chain = self
-            .queue
-            .iter(mem)
-            .map_err(|e| RingError::Access(e.to_string()))?
-            .next()
-            .ok_or_else(|| RingError::Access("the avail ring entry is unreadable".into()))?;
-        if chain.head_index() >= size {
-            return Err(RingError::Head {
-                head: chain.head_index(),
-                size,
-            });
-        }
-        Ok(Some(chain))
+                .is_ok_and(|a| a.0 != self.ring.queue.next_avail())
     }
 
     /// Starts the requests a previous backend left in flight, in their order, before popping
     /// anything new (they precede every request still in the avail ring).
     fn resubmit_inflight(&mut self) {
-        let heads = std::mem::take(&mut self.resubmit);
+        let heads = std::mem::take(&mut self.ring.resubmit);
         if heads.is_empty() {
             return;
         }
         let mem = self.memory();
-        let table = self.queue.desc_table();
-        let size = self.queue.size();
+        let table = self.ring.queue.desc_table();
+        let size = self.ring.queue.size();
         // At most one mark per descriptor of this ring (`InflightQueue::start`), and a worker
         // has a slot per descriptor: every resubmitted request gets one.
         for head in heads {
@@ -589,35 +437,14 @@ impl Worker {
         self.submit();
     }
 
-    /// Whether the queue holds requests (held, or resubmitted by a retry): it takes no new
-    /// ones meanwhile, so nothing queued behind a held write overtakes it.
-    fn holding(&self) -> bool {
-        !self.held.is_empty() || self.retrying > 0
-    }
-
-    /// Resubmits every held request, in order; one that fails again is held again.
-    fn retry_held(&mut self) {
-        self.next_retry = None;
-        let held = std::mem::take(&mut self.held);
-        self.drive
-            .stats
-            .held_requests
-            .fetch_sub(held.len() as u64, Ordering::Relaxed);
-        for idx in held {
-            self.retrying += 1;
-            self.redo(idx);
-        }
-        self.submit();
-    }
-
     /// Stops taking requests from a corrupt ring: one log line, the vring's error eventfd
     /// (QEMU learns of it), status and metrics. Requests already popped still complete;
     /// a frontend reset or reconnect starts a fresh worker.
     pub(super) fn mark_broken(&mut self, why: &RingError) {
-        if self.broken {
+        if self.ring.broken {
             return;
         }
-        self.broken = true;
+        self.ring.broken = true;
         let stats = &self.drive.stats;
         stats.broken_queues.fetch_add(1, Ordering::Relaxed);
         stats.ring_errors.fetch_add(1, Ordering::Relaxed);
@@ -627,14 +454,14 @@ impl Worker {
                 "ring broken: {why}; the queue stops until the driver resets it{}",
                 crate::util::suppressed(n));
         }
-        if let Some(e) = lock(&self.err).as_ref() {
+        if let Some(e) = lock(&self.ring.err).as_ref() {
             let _ = e.write(1);
         }
     }
 
     fn finish(self) -> Queue {
         self.drive.detach_worker(&self.ctl);
-        if self.broken {
+        if self.ring.broken {
             self.drive
                 .stats
                 .broken_queues
@@ -644,7 +471,7 @@ impl Worker {
         st.exited = true;
         self.ctl.cv.notify_all();
         drop(st);
-        self.queue
+        self.ring.queue
     }
 
     fn control(&mut self) {
@@ -662,7 +489,8 @@ impl Worker {
     /// A lend asked (with the pause that precedes it) and the queue paused with nothing in
     /// flight: park now, in the same wake-up as the pause's acknowledgement.
     fn maybe_park(&mut self) {
-        let ready = self.mode == Mode::Paused && self.in_flight == 0 && self.old.is_none();
+        let ready =
+            self.mode == Mode::Paused && self.slots.in_flight() == 0 && !self.engines.overlapping();
         if !ready || !std::mem::take(&mut lock(&self.ctl.st).lend) {
             return;
         }
@@ -697,7 +525,7 @@ impl Worker {
             st = lock(&self.ctl.st);
             st.swap_took = took;
             st.swapped = true;
-            st.old_drained = self.old.is_none();
+            st.old_drained = !self.engines.overlapping();
             self.ctl.cv.notify_all();
             drop(st);
             // Requests that came meanwhile, on the new engine; then the old context goes.
@@ -705,7 +533,7 @@ impl Worker {
             drop(idle);
             st = lock(&self.ctl.st);
         }
-        if std::mem::take(&mut st.retry) && !self.held.is_empty() {
+        if std::mem::take(&mut st.retry) && self.holds.any_held() {
             drop(st);
             self.retry_held();
             st = lock(&self.ctl.st);
@@ -729,7 +557,7 @@ impl Worker {
             let next = st.next.take();
             drop(st);
             if let Some((io, engine)) = next {
-                drop(self.replace_engine(io, engine));
+                drop(self.engines.replace(&self.epoll, io, engine));
             }
             self.process_avail();
         }
@@ -741,34 +569,36 @@ impl Worker {
     fn park(&mut self) -> Result<crate::drive::lend::RingLoan, String> {
         let mem = self.memory();
         let kick = self
+            .ring
             .kick
             .try_clone()
             .map_err(|e| format!("kick eventfd: {e}"))?;
-        let call = match lock(&self.call).as_ref() {
+        let call = match lock(&self.ring.call).as_ref() {
             Some(c) => Some(c.try_clone().map_err(|e| format!("call eventfd: {e}"))?),
             None => None,
         };
-        if self.queue.event_idx_enabled() {
-            self.queue
+        if self.ring.queue.event_idx_enabled() {
+            self.ring
+                .queue
                 .enable_notification(&*mem)
                 .map_err(|e| format!("avail_event: {e}"))?;
         }
         self.epoll
             .ctl(
                 ControlOperation::Delete,
-                self.kick.as_raw_fd(),
+                self.ring.kick.as_raw_fd(),
                 EpollEvent::default(),
             )
             .map_err(|e| format!("epoll: {e}"))?;
         self.mode = Mode::Lent;
         Ok(crate::drive::lend::RingLoan {
             index: self.index,
-            size: self.queue.size(),
-            desc: self.queue.desc_table(),
-            avail: self.queue.avail_ring(),
-            used: self.queue.used_ring(),
-            next_avail: self.queue.next_avail(),
-            event_idx: self.queue.event_idx_enabled(),
+            size: self.ring.queue.size(),
+            desc: self.ring.queue.desc_table(),
+            avail: self.ring.queue.avail_ring(),
+            used: self.ring.queue.used_ring(),
+            next_avail: self.ring.queue.next_avail(),
+            event_idx: self.ring.queue.event_idx_enabled(),
             kick,
             call,
             mem,
@@ -783,11 +613,11 @@ impl Worker {
     fn unpark(&mut self, next_avail: Option<u16>) {
         if let Some(next_avail) = next_avail {
             let mem = self.memory();
-            self.queue.set_next_avail(next_avail);
-            match self.queue.used_idx(&*mem, Ordering::Acquire) {
+            self.ring.queue.set_next_avail(next_avail);
+            match self.ring.queue.used_idx(&*mem, Ordering::Acquire) {
                 Ok(u) => {
-                    self.queue.set_next_used(u.0);
-                    if let Some(iq) = &self.inflight {
+                    self.ring.queue.set_next_used(u.0);
+                    if let Some(iq) = &self.ring.inflight {
                         iq.resync(u.0);
                     }
                 }
@@ -796,7 +626,7 @@ impl Worker {
         }
         if let Err(e) = self.epoll.ctl(
             ControlOperation::Add,
-            self.kick.as_raw_fd(),
+            self.ring.kick.as_raw_fd(),
             EpollEvent::new(EventSet::IN, TOKEN_KICK),
         ) {
             error!(
@@ -805,7 +635,7 @@ impl Worker {
             );
         }
         self.mode = Mode::Paused;
-        self.force_call = true;
+        self.ring.force_call = true;
         self.call_unconditionally();
     }
 
@@ -815,102 +645,47 @@ impl Worker {
     /// Returns the old context when nothing was in flight on it, to be dropped after the
     /// swap is acknowledged (its teardown is no part of the pause).
     fn swap_engine(&mut self, io: Box<dyn QueueIo>, engine: Arc<dyn Engine>) -> Option<NextEngine> {
-        if self.old.is_some() {
-            error!(
-                queue = self.index,
-                "engine swap while the last one still finishes; taken after it"
-            );
-            self.pending_swap = Some((io, engine));
-            return None;
+        let swapped = self
+            .engines
+            .swap(&self.epoll, io, engine, self.slots.in_flight());
+        self.after_swap(swapped)
+    }
+
+    fn after_swap(&mut self, swapped: Swapped) -> Option<NextEngine> {
+        match swapped {
+            Swapped::Idle(old) => Some(old),
+            Swapped::Overlapped => {
+                for r in self.slots.busy_mut() {
+                    r.on_old = true;
+                }
+                self.drive.stats.overlapped.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Swapped::Deferred => None,
         }
-        if self.in_flight == 0 {
-            return Some(self.replace_engine(io, engine));
-        }
-        for s in self.slots.iter_mut().filter(|s| s.mem.is_some()) {
-            s.on_old = true;
-        }
-        self.drive.stats.overlapped.fetch_add(1, Ordering::Relaxed);
-        let _ = self.epoll.ctl(
-            ControlOperation::Modify,
-            self.io.completion_fd(),
-            EpollEvent::new(EventSet::IN, TOKEN_IO_OLD),
-        );
-        if let Err(e) = self.epoll.ctl(
-            ControlOperation::Add,
-            io.completion_fd(),
-            EpollEvent::new(EventSet::IN, TOKEN_IO),
-        ) {
-            error!(queue = self.index, "cannot watch the new engine: {e}");
-        }
-        self.old = Some(OldIo {
-            io: std::mem::replace(&mut self.io, io),
-            engine: std::mem::replace(&mut self.engine, engine),
-            in_flight: self.in_flight,
-        });
-        None
     }
 
     /// The old engine's last request completed: its context goes, the switch learns it.
     pub(super) fn retire_old(&mut self) {
-        if let Some(o) = self.old.take() {
-            let _ = self.epoll.ctl(
-                ControlOperation::Delete,
-                o.io.completion_fd(),
-                EpollEvent::default(),
-            );
-            drop(o);
-            if let Some((io, engine)) = self.pending_swap.take() {
-                drop(self.swap_engine(io, engine));
-            }
-            let mut st = lock(&self.ctl.st);
-            st.old_drained = self.old.is_none();
-            self.ctl.cv.notify_all();
+        if !self.engines.overlapping() {
+            return;
         }
-    }
-
-    /// The engine a request runs on: the old one for requests started before an overlapped
-    /// switch.
-    pub(super) fn engine_of(&self, idx: usize) -> &Arc<dyn Engine> {
-        match &self.old {
-            Some(o) if self.slots[idx].on_old => &o.engine,
-            _ => &self.engine,
+        if let Some(swapped) = self.engines.retire_old(&self.epoll, self.slots.in_flight()) {
+            drop(self.after_swap(swapped));
         }
-    }
-
-    /// Puts `io` in place of the current context (nothing in flight); returns the old one,
-    /// for the caller to drop when it suits (tearing an io_uring ring down takes time).
-    fn replace_engine(
-        &mut self,
-        io: Box<dyn QueueIo>,
-        engine: Arc<dyn Engine>,
-    ) -> (Box<dyn QueueIo>, Arc<dyn Engine>) {
-        debug_assert_eq!(self.in_flight, 0);
-        let _ = self.epoll.ctl(
-            ControlOperation::Delete,
-            self.io.completion_fd(),
-            EpollEvent::default(),
-        );
-        if let Err(e) = self.epoll.ctl(
-            ControlOperation::Add,
-            io.completion_fd(),
-            EpollEvent::new(EventSet::IN, TOKEN_IO),
-        ) {
-            error!(queue = self.index, "cannot watch the new engine: {e}");
-        }
-        (
-            std::mem::replace(&mut self.io, io),
-            std::mem::replace(&mut self.engine, engine),
-        )
+        let mut st = lock(&self.ctl.st);
+        st.old_drained = !self.engines.overlapping();
+        self.ctl.cv.notify_all();
     }
 
     fn memory(&self) -> Arc<Mem> {
-        lock(&self.mem).clone()
+        self.ring.memory()
     }
 
     /// Pops every available request (while slots are free), starts them, submits once per
     /// pass. Leaves guest notifications on (unless polling), after checking the ring again.
     fn process_avail(&mut self) {
-        if self.mode != Mode::Running || self.broken || self.holding() {
+        if self.mode != Mode::Running || self.ring.broken || self.holds.holding() {
             return;
         }
         let mem = self.memory();
@@ -921,12 +696,12 @@ impl Worker {
         // nothing to pop: a real driver races us a few times at most.
         let mut empty_rechecks = 0;
         loop {
-            if let Err(e) = self.queue.disable_notification(&*mem) {
+            if let Err(e) = self.ring.queue.disable_notification(&*mem) {
                 return self.mark_broken(&RingError::Access(e.to_string()));
             }
             let mut emptied = false;
-            while !self.free.is_empty() && budget > 0 {
-                let chain = match self.pop(&mem) {
+            while self.slots.has_free() && budget > 0 {
+                let chain = match self.ring.pop(&mem) {
                     Ok(Some(c)) => {
                         empty_rechecks = 0;
                         c
@@ -945,7 +720,7 @@ impl Worker {
             }
             self.submit();
             if !emptied {
-                if self.free.is_empty() {
+                if !self.slots.has_free() {
                     // Resumed from `reap` once a slot frees; the ring keeps the rest.
                     self.starved = true;
                     return;
@@ -960,10 +735,10 @@ impl Worker {
                 // Inline completions freed slots: pop on.
                 continue;
             }
-            if self.polling {
+            if self.poller.polling {
                 return;
             }
-            match self.queue.enable_notification(&*mem) {
+            match self.ring.queue.enable_notification(&*mem) {
                 Ok(true) => {
                     empty_rechecks += 1;
                     if empty_rechecks > 16 {
@@ -982,17 +757,8 @@ impl Worker {
     /// they push (a short transfer's rest, the next bounce chunk) is sent too.
     fn submit(&mut self) {
         loop {
-            if let Err(e) = self.io.submit() {
-                error!(queue = self.index, "engine submit failed: {e}");
-            }
-            if let Some(o) = self.old.as_mut() {
-                if let Err(e) = o.io.submit() {
-                    error!(queue = self.index, "engine submit failed: {e}");
-                }
-            }
-            if !self.io.has_completions()
-                && !self.old.as_mut().is_some_and(|o| o.io.has_completions())
-            {
+            self.engines.submit();
+            if !self.engines.has_completions() {
                 return;
             }
             self.reap_ready();
@@ -1001,7 +767,7 @@ impl Worker {
 
     /// One call per batch, when the driver wants one (EVENT_IDX).
     fn call_unconditionally(&self) {
-        if let Some(call) = lock(&self.call).as_ref() {
+        if let Some(call) = lock(&self.ring.call).as_ref() {
             if let Err(e) = call.write(1) {
                 if let Some(n) = self.drive.stats.log.call.admit() {
                     warn!(
@@ -1015,39 +781,15 @@ impl Worker {
     }
 
     fn notify(&mut self) {
-        if !self.used_added {
+        if !self.ring.used_added {
             return;
         }
-        self.used_added = false;
+        self.ring.used_added = false;
         let mem = self.memory();
-        match self.queue.needs_notification(&*mem) {
-            Ok(n) if n || std::mem::take(&mut self.force_call) => self.call_unconditionally(),
+        match self.ring.queue.needs_notification(&*mem) {
+            Ok(n) if n || std::mem::take(&mut self.ring.force_call) => self.call_unconditionally(),
             Ok(_) => {}
             Err(e) => self.mark_broken(&RingError::Access(e.to_string())),
         }
-    }
-}
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn poll_window_grows_on_short_waits_and_stops_on_long_ones() {
-        let us = Duration::from_micros;
-        let mut p = AdaptivePoll::new(32);
-        assert_eq!(p.window, Duration::ZERO, "no polling before any traffic");
-        p.adapt(us(20));
-        assert_eq!(p.window, us(4));
-        for _ in 0..10 {
-            p.adapt(us(31));
-        }
-        assert_eq!(p.window, us(32), "capped at the maximum");
-        p.adapt(us(10));
-        assert_eq!(p.window, us(32), "a wait polling covers changes nothing");
-        p.adapt(us(500));
-        assert_eq!(p.window, Duration::ZERO, "an idle queue sleeps");
-        let mut off = AdaptivePoll::new(0);
-        off.adapt(us(1));
-        assert_eq!(off.window, Duration::ZERO, "0 turns polling off");
     }
 }

@@ -5,12 +5,13 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
 use tracing::{debug, error, warn};
 use virtio_queue::{DescriptorChain, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
+use super::bounce::BOUNCE_SIZE;
+use super::slots::Stage;
 use super::{Worker, MAX_SEGS, NO_USED_LOG};
 use crate::drive::{AcctClass, DiscardMode, ErrorPolicy};
 use crate::engine::IoOp;
@@ -19,85 +20,10 @@ use crate::guest_mem::{
     advance_iov, build_iovecs, copy_from_guest, copy_to_guest, iov_aligned, Mem,
 };
 use crate::virtio_blk::{
-    self, split_chain, Desc, DwzSegment, Header, Op, Seg, DWZ_SEGMENT_LEN, HEADER_LEN, S_IOERR,
-    S_OK, S_UNSUPP, T_DISCARD, T_WRITE_ZEROES,
+    self, split_chain, Desc, DwzSegment, Header, Op, DWZ_SEGMENT_LEN, HEADER_LEN, S_IOERR, S_OK,
+    S_UNSUPP, T_DISCARD, T_WRITE_ZEROES,
 };
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Stage {
-    /// readv/writev straight on guest memory.
-    Direct,
-    /// Through a bounce buffer, chunk by chunk.
-    Bounce,
-    Flush,
-    Fallocate(i32),
-}
-
-pub(super) struct InFlight {
-    pub(super) head: u16,
-    pub(super) status: u64,
-    pub(super) used_len: u32,
-    /// The request's accounting class, once dispatched (None: GET_ID, or not yet).
-    pub(super) acct: Option<AcctClass>,
-    /// Resubmitted by a retry of held requests.
-    pub(super) retried: bool,
-    pub(super) op: Op,
-    pub(super) stage: Stage,
-    /// Bytes of the data already transferred (short transfers, bounce chunks).
-    pub(super) done: u64,
-    /// For bounce: write zeroes instead of guest data.
-    pub(super) zero_fill: bool,
-    pub(super) bounce: Option<usize>,
-    pub(super) iov: Vec<libc::iovec>,
-    pub(super) segs: Vec<Seg>,
-    pub(super) mem: Option<Arc<Mem>>,
-    /// When the request was popped (for the latency histogram).
-    pub(super) started: Instant,
-    /// Started on the engine an overlapped switch left: it finishes there.
-    pub(super) on_old: bool,
-}
-
-impl InFlight {
-    pub(super) fn new() -> Self {
-        InFlight {
-            head: 0,
-            status: 0,
-            used_len: 0,
-            acct: None,
-            retried: false,
-            op: Op::Flush,
-            stage: Stage::Flush,
-            done: 0,
-            zero_fill: false,
-            bounce: None,
-            iov: Vec::new(),
-            segs: Vec::new(),
-            mem: None,
-            started: Instant::now(),
-            on_old: false,
-        }
-    }
-
-    pub(super) fn total(&self) -> u64 {
-        match self.op {
-            Op::Read { len, .. }
-            | Op::Write { len, .. }
-            | Op::WriteZeroes { len, .. }
-            | Op::Discard { len, .. } => len,
-            _ => 0,
-        }
-    }
-
-    pub(super) fn offset(&self) -> u64 {
-        match self.op {
-            Op::Read { offset, .. }
-            | Op::Write { offset, .. }
-            | Op::WriteZeroes { offset, .. }
-            | Op::Discard { offset, .. } => offset,
-            _ => 0,
-        }
-    }
-}
 impl Worker {
     /// A chain popped from the avail ring.
     pub(super) fn start_chain(&mut self, chain: DescriptorChain<&Mem>, mem: &Arc<Mem>) {
@@ -121,9 +47,9 @@ impl Worker {
         descs: impl Iterator<Item = (Desc, bool)>,
         mem: &Arc<Mem>,
     ) {
-        if let Some(iq) = &self.inflight {
-            iq.get(head, self.inflight_counter);
-            self.inflight_counter += 1;
+        if let Some(iq) = &self.ring.inflight {
+            iq.get(head, self.ring.inflight_counter);
+            self.ring.inflight_counter += 1;
         }
         // A chain can end quietly wherever it cannot go on (a loop cut by its length bound,
         // a next index past the table, an unreadable descriptor, a bad indirect table): a
@@ -145,23 +71,11 @@ impl Worker {
                 Err(S_IOERR)
             }
         };
-        let Some(idx) = self.free.pop() else {
+        let Some(idx) = self.slots.start(head, status.unwrap_or(u64::MAX), mem) else {
             // process_avail pops only while a slot is free.
             return;
         };
-        self.in_flight += 1;
         self.drive.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-        let slot = &mut self.slots[idx];
-        slot.head = head;
-        slot.started = Instant::now();
-        slot.status = status.unwrap_or(u64::MAX);
-        slot.used_len = 1;
-        slot.done = 0;
-        slot.zero_fill = false;
-        slot.bounce = None;
-        slot.mem = Some(mem.clone());
-        slot.acct = None;
-        slot.on_old = false;
         match decoded {
             Err(st) => {
                 if let Some(class) = self.req_type.take().and_then(acct_class) {
@@ -170,8 +84,8 @@ impl Worker {
                 self.complete(idx, st)
             }
             Ok(op) => {
-                self.slots[idx].op = op;
-                self.dispatch(idx);
+                self.slots[idx].op = Some(op);
+                self.dispatch(idx, op);
             }
         }
     }
@@ -195,8 +109,7 @@ impl Worker {
         virtio_blk::validate(&self.drive.geometry(), h, &self.layout, dwz)
     }
 
-    pub(super) fn dispatch(&mut self, idx: usize) {
-        let op = self.slots[idx].op;
+    pub(super) fn dispatch(&mut self, idx: usize, op: Op) {
         self.slots[idx].acct = match op {
             Op::Read { .. } => Some(AcctClass::Read),
             Op::Write { .. } | Op::WriteZeroes { .. } => Some(AcctClass::Write),
@@ -208,16 +121,15 @@ impl Worker {
         match op {
             Op::GetId => {
                 stats.get_ids.fetch_add(1, Ordering::Relaxed);
-                let mem = self.slots[idx].mem.clone().expect("set at start");
                 let n = (self.layout.writable_data_len as usize).min(self.id.len());
+                let req = &mut self.slots[idx];
                 // What the device writes is logged at completion (dirty logging).
-                self.slots[idx].segs.clear();
-                self.slots[idx]
-                    .segs
-                    .extend_from_slice(&self.layout.writable_data);
-                let st = match copy_to_guest(&mem, &self.layout.writable_data, 0, &self.id[..n]) {
+                req.segs.clear();
+                req.segs.extend_from_slice(&self.layout.writable_data);
+                let st = match copy_to_guest(&req.mem, &self.layout.writable_data, 0, &self.id[..n])
+                {
                     Ok(()) => {
-                        self.slots[idx].used_len = n as u32 + 1;
+                        req.used_len = n as u32 + 1;
                         S_OK
                     }
                     Err(_) => S_IOERR,
@@ -273,11 +185,11 @@ impl Worker {
                 } else {
                     &self.layout.readable_data
                 };
-                let align = self.engine.buffer_alignment() as usize;
+                let align = self.engines.current().buffer_alignment() as usize;
                 let slot = &mut self.slots[idx];
                 slot.segs.clear();
                 slot.segs.extend_from_slice(segs);
-                match build_iovecs(slot.mem.as_deref().expect("set"), segs, &mut slot.iov) {
+                match build_iovecs(&slot.mem, segs, &mut slot.iov) {
                     Err(_) => return self.complete(idx, S_IOERR),
                     Ok(aligned) if aligned || align <= 1 => {}
                     Ok(_) if iov_aligned(&slot.iov, align) => {}
@@ -299,13 +211,13 @@ impl Worker {
         let slot = &self.slots[idx];
         let offset = slot.offset() + slot.done;
         let (iov, iovcnt) = (slot.iov.as_ptr(), slot.iov.len() as u32);
-        let op = match slot.op {
-            Op::Read { .. } => IoOp::Readv {
+        let op = match slot.is_read() {
+            true => IoOp::Readv {
                 offset,
                 iov,
                 iovcnt,
             },
-            _ => IoOp::Writev {
+            false => IoOp::Writev {
                 offset,
                 iov,
                 iovcnt,
@@ -317,13 +229,11 @@ impl Worker {
 
     pub(super) fn push(&mut self, idx: usize, op: IoOp) {
         // A request started before an overlapped switch goes on where it started.
-        let io = match self.old.as_mut() {
-            Some(o) if self.slots[idx].on_old => &mut o.io,
-            _ => &mut self.io,
-        };
+        let io = self.engines.io_for(self.slots[idx].on_old);
         // SAFETY: the iovecs live in `self.slots[idx].iov` and point into guest memory kept
         // mapped by `self.slots[idx].mem`, or into this worker's bounce buffers; neither is
-        // touched or freed until the completion for `idx` is reaped.
+        // touched or freed until the completion for `idx` is reaped (the slot stays busy
+        // until then).
         let ok = unsafe { io.push(&op, idx as u64) };
         if !ok {
             // Cannot happen while in-flight <= depth; answer rather than lose the request.
@@ -368,13 +278,10 @@ impl Worker {
     pub(super) fn reap_ready(&mut self) {
         let mut done = std::mem::take(&mut self.completions);
         done.clear();
-        self.io.reap(&mut done);
-        if let Some(o) = self.old.as_mut() {
-            o.io.reap(&mut done);
-        }
+        self.engines.reap(&mut done);
         for &(token, res) in &done {
             let idx = token as usize;
-            if idx >= self.slots.len() || self.slots[idx].mem.is_none() {
+            if self.slots.get(idx).is_none() {
                 error!(queue = self.index, token, "completion for no request");
                 continue;
             }
@@ -411,16 +318,9 @@ impl Worker {
                 let n = res as usize;
                 let slot = &mut self.slots[idx];
                 let b = slot.bounce.expect("bounce buffer held");
-                if matches!(slot.op, Op::Read { .. }) {
+                if slot.is_read() {
                     let buf = self.bounce.buf(b);
-                    if copy_to_guest(
-                        slot.mem.as_deref().expect("set"),
-                        &slot.segs,
-                        slot.done,
-                        &buf[..n],
-                    )
-                    .is_err()
-                    {
+                    if copy_to_guest(&slot.mem, &slot.segs, slot.done, &buf[..n]).is_err() {
                         return self.complete(idx, S_IOERR);
                     }
                 }
@@ -441,10 +341,15 @@ impl Worker {
         let unsupported = res == -libc::EOPNOTSUPP || res == -libc::EINVAL;
         match self.slots[idx].op {
             // Discard is a hint: a file system that cannot punch holes did nothing wrong.
-            Op::Discard { .. } if unsupported => self.complete(idx, S_OK),
-            Op::WriteZeroes { offset, len, .. } if unsupported => {
+            Some(Op::Discard { .. }) if unsupported => self.complete(idx, S_OK),
+            Some(Op::WriteZeroes { offset, len, .. }) if unsupported => {
                 let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-                if mode != punch && !self.engine_of(idx).is_block_device() {
+                if mode != punch
+                    && !self
+                        .engines
+                        .engine_for(self.slots[idx].on_old)
+                        .is_block_device()
+                {
                     // tmpfs has no ZERO_RANGE; a punched hole of a regular file reads as zeroes.
                     self.push_fallocate(idx, offset, len, punch, true);
                 } else {
@@ -452,7 +357,7 @@ impl Worker {
                     let slot = &mut self.slots[idx];
                     slot.stage = Stage::Bounce;
                     slot.zero_fill = true;
-                    slot.op = Op::Write { offset, len };
+                    slot.op = Some(Op::Write { offset, len });
                     self.start_bounce(idx);
                 }
             }
@@ -464,7 +369,7 @@ impl Worker {
     /// (QEMU's rerror for reads, werror for everything else) reports it, ignores it, or holds
     /// it for a retry.
     pub(super) fn io_error(&mut self, idx: usize, res: i32) {
-        let read = matches!(self.slots[idx].op, Op::Read { .. });
+        let read = self.slots[idx].is_read();
         let cfg = self.drive.config();
         let policy = if read { cfg.rerror } else { cfg.werror };
         match policy {
@@ -483,66 +388,29 @@ impl Worker {
         self.complete(idx, S_IOERR);
     }
 
-    /// Keeps a failed request in flight for a retry (werror=enospc, stop): the guest sees
-    /// nothing, the queue takes no new request until it went through.
-    fn hold(&mut self, idx: usize, res: i32) {
-        let stats = &self.drive.stats;
-        if std::mem::take(&mut self.slots[idx].retried) {
-            self.retrying -= 1;
-        }
-        if res == -libc::ENOSPC {
-            stats.nospace_events.fetch_add(1, Ordering::Relaxed);
-        }
-        stats.hold_errno.store(-res, Ordering::Relaxed);
-        stats.held_requests.fetch_add(1, Ordering::Relaxed);
-        if self.held.is_empty() && self.retrying == 0 {
-            if let Some(n) = stats.log.hold.admit() {
-                let e = std::io::Error::from_raw_os_error(-res);
-                warn!(drive = %self.drive.config().name, queue = self.index,
-                    "I/O failed ({e}): requests held and retried every {:?} until it succeeds or `accelctl resume`{}",
-                    crate::drive::HOLD_RETRY, crate::util::suppressed(n));
-            }
-        }
-        self.held.push_back(idx);
-        self.was_holding = true;
-        self.next_retry
-            .get_or_insert_with(|| Instant::now() + crate::drive::HOLD_RETRY);
-    }
-
-    /// Submits a held request again from where it stopped.
-    pub(super) fn redo(&mut self, idx: usize) {
-        self.slots[idx].retried = true;
-        match self.slots[idx].stage {
-            Stage::Direct => self.push_rw(idx),
-            Stage::Bounce => self.bounce_chunk(idx),
-            Stage::Flush => self.push(idx, IoOp::Flush),
-            Stage::Fallocate(mode) => match self.slots[idx].op {
-                Op::Discard { offset, len } => self.push_fallocate(idx, offset, len, mode, false),
-                Op::WriteZeroes { offset, len, .. } => {
-                    self.push_fallocate(idx, offset, len, mode, true)
-                }
-                _ => self.complete(idx, S_IOERR),
-            },
-        }
-    }
-
     /// Writes the status byte (last), puts the head in the used ring, frees the slot.
     pub(super) fn complete(&mut self, idx: usize, status: u8) {
-        if std::mem::take(&mut self.slots[idx].retried) {
-            self.retrying -= 1;
+        let Some(req) = self.slots.get_mut(idx) else {
+            error!(queue = self.index, idx, "completion of a free slot");
+            return;
+        };
+        if std::mem::take(&mut req.retried) {
+            self.holds.retrying -= 1;
         }
+        if status != S_OK {
+            req.used_len = 1;
+        }
+        let req = &self.slots[idx];
         let stats = &self.drive.stats;
-        match status {
-            S_OK => match self.slots[idx].op {
-                Op::Read { len, .. } => {
-                    stats.bytes_read.fetch_add(len, Ordering::Relaxed);
-                }
-                Op::Write { len, .. } => {
-                    stats.bytes_written.fetch_add(len, Ordering::Relaxed);
-                }
-                _ => {}
-            },
-            S_UNSUPP => {
+        match (status, req.op) {
+            (S_OK, Some(Op::Read { len, .. })) => {
+                stats.bytes_read.fetch_add(len, Ordering::Relaxed);
+            }
+            (S_OK, Some(Op::Write { len, .. })) => {
+                stats.bytes_written.fetch_add(len, Ordering::Relaxed);
+            }
+            (S_OK, _) => {}
+            (S_UNSUPP, _) => {
                 stats.unsupported.fetch_add(1, Ordering::Relaxed);
             }
             _ => {
@@ -550,77 +418,59 @@ impl Worker {
             }
         }
         stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-        let slot = &mut self.slots[idx];
-        let took = slot.started.elapsed();
+        let took = req.started.elapsed();
         stats.latency.record(took);
-        if let Some(class) = slot.acct.take() {
-            let bytes = match slot.op {
-                Op::Read { len, .. }
-                | Op::Write { len, .. }
-                | Op::WriteZeroes { len, .. }
-                | Op::Discard { len, .. } => len,
-                Op::Flush | Op::GetId => 0,
-            };
-            stats.acct.done(class, status == S_OK, bytes, took);
+        if let Some(class) = req.acct {
+            stats.acct.done(class, status == S_OK, req.total(), took);
         }
         // The request's own memory map holds the ring too: no lock per completion.
-        let mem = slot.mem.take().expect("request in flight");
-        if status != S_OK {
-            slot.used_len = 1;
-        }
-        if slot.status != u64::MAX && mem.write_obj(status, GuestAddress(slot.status)).is_err() {
+        let mem = &*req.mem;
+        if req.status != u64::MAX && mem.write_obj(status, GuestAddress(req.status)).is_err() {
             debug!(queue = self.index, "status byte outside guest memory");
         }
-        let head = slot.head;
+        let head = req.head;
         // Dirty logging: every page the device wrote for this request, after the writes and
         // before the used element says it completed; then the used ring, after add_used. One
         // look at the log per completion (a log swap waits for the guard).
-        let guard = self.log.active();
+        let guard = self.ring.log.active();
         let log = guard.as_deref().and_then(Option::as_ref);
         if let Some(log) = log {
-            if matches!(slot.op, Op::Read { .. } | Op::GetId) {
-                for s in &slot.segs {
+            if matches!(req.op, Some(Op::Read { .. } | Op::GetId)) {
+                for s in &req.segs {
                     log.mark(s.addr, u64::from(s.len));
                 }
             }
-            if slot.status != u64::MAX {
-                log.mark(slot.status, 1);
+            if req.status != u64::MAX {
+                log.mark(req.status, 1);
             }
         }
-        if let Some(iq) = &self.inflight {
+        if let Some(iq) = &self.ring.inflight {
             iq.pre_put(head);
         }
-        let used = self.queue.add_used(&*mem, head, slot.used_len);
-        if let (Some(iq), Ok(())) = (&self.inflight, &used) {
+        let used = self.ring.queue.add_used(mem, head, req.used_len);
+        if let (Some(iq), Ok(())) = (&self.ring.inflight, &used) {
             // Cleared only once the head is in the used ring: a completion that did not get
             // there stays marked, for the next backend.
-            iq.post_put(head, self.queue.next_used());
+            iq.post_put(head, self.ring.queue.next_used());
         }
         if let (Some(log), Ok(())) = (log, &used) {
             // QEMU syncs the whole used ring too: one or two pages.
-            let at = self.used_log.load(Ordering::Acquire);
+            let at = self.ring.used_log.load(Ordering::Acquire);
             if at != NO_USED_LOG {
-                log.mark(at, used_ring_len(self.queue.size()));
+                log.mark(at, used_ring_len(self.ring.queue.size()));
             }
         }
         drop(guard);
-        slot.op = Op::Flush;
-        let freed_bounce = slot.bounce.take();
-        let was_old = std::mem::take(&mut slot.on_old);
-        self.used_added = true;
-        self.free.push(idx);
-        self.in_flight -= 1;
-        if was_old {
-            if let Some(o) = self.old.as_mut() {
-                o.in_flight -= 1;
-                if o.in_flight == 0 {
-                    self.retire_old();
-                }
-            }
+        let Some(req) = self.slots.finish(idx) else {
+            return;
+        };
+        self.ring.used_added = true;
+        if req.on_old && self.engines.old_finished() {
+            self.retire_old();
         }
-        if let Some(b) = freed_bounce {
+        if let Some(b) = req.bounce {
             // Hand the buffer to the oldest request waiting for one.
-            match self.bounce_wait.pop_front() {
+            match self.bounce.waiting.pop_front() {
                 Some(next) => {
                     self.slots[next].bounce = Some(b);
                     self.bounce_chunk(next);
@@ -632,6 +482,113 @@ impl Worker {
             // The used ring is not guest memory (any more): nothing can complete there.
             self.mark_broken(&super::RingError::Access(e.to_string()));
         }
+    }
+}
+
+impl Worker {
+    /// Keeps a failed request in flight for a retry (werror=enospc, stop): the guest sees
+    /// nothing, the queue takes no new request until it went through.
+    pub(super) fn hold(&mut self, idx: usize, res: i32) {
+        let stats = &self.drive.stats;
+        if std::mem::take(&mut self.slots[idx].retried) {
+            self.holds.retrying -= 1;
+        }
+        if res == -libc::ENOSPC {
+            stats.nospace_events.fetch_add(1, Ordering::Relaxed);
+        }
+        stats.hold_errno.store(-res, Ordering::Relaxed);
+        stats.held_requests.fetch_add(1, Ordering::Relaxed);
+        if !self.holds.holding() {
+            if let Some(n) = stats.log.hold.admit() {
+                let e = std::io::Error::from_raw_os_error(-res);
+                warn!(drive = %self.drive.config().name, queue = self.index,
+                    "I/O failed ({e}): requests held and retried every {:?} until it succeeds or `accelctl resume`{}",
+                    crate::drive::HOLD_RETRY, crate::util::suppressed(n));
+            }
+        }
+        self.holds.push(idx);
+    }
+
+    /// Resubmits every held request, in order; one that fails again is held again.
+    pub(super) fn retry_held(&mut self) {
+        let held = self.holds.take();
+        self.drive
+            .stats
+            .held_requests
+            .fetch_sub(held.len() as u64, Ordering::Relaxed);
+        for idx in held {
+            self.holds.retrying += 1;
+            self.redo(idx);
+        }
+        self.submit();
+    }
+
+    /// Submits a held request again from where it stopped.
+    fn redo(&mut self, idx: usize) {
+        let req = &mut self.slots[idx];
+        req.retried = true;
+        match (req.stage, req.op) {
+            (Stage::Direct, _) => self.push_rw(idx),
+            (Stage::Bounce, _) => self.bounce_chunk(idx),
+            (Stage::Flush, _) => self.push(idx, IoOp::Flush),
+            (Stage::Fallocate(mode), Some(Op::Discard { offset, len })) => {
+                self.push_fallocate(idx, offset, len, mode, false)
+            }
+            (Stage::Fallocate(mode), Some(Op::WriteZeroes { offset, len, .. })) => {
+                self.push_fallocate(idx, offset, len, mode, true)
+            }
+            (Stage::Fallocate(_), _) => self.complete(idx, S_IOERR),
+        }
+    }
+}
+
+impl Worker {
+    pub(super) fn start_bounce(&mut self, idx: usize) {
+        match self.bounce.take() {
+            Some(b) => {
+                self.slots[idx].bounce = Some(b);
+                self.bounce_chunk(idx);
+            }
+            None => self.bounce.waiting.push_back(idx),
+        }
+    }
+
+    /// Submits the next chunk of a bounced request.
+    pub(super) fn bounce_chunk(&mut self, idx: usize) {
+        let slot = &mut self.slots[idx];
+        let b = slot.bounce.expect("bounce buffer held");
+        let n = ((slot.total() - slot.done) as usize).min(BOUNCE_SIZE);
+        let offset = slot.offset() + slot.done;
+        let read = slot.is_read();
+        let buf = self.bounce.buf(b);
+        if !read {
+            if slot.zero_fill {
+                buf[..n].fill(0);
+            } else if copy_from_guest(&slot.mem, &slot.segs, slot.done, &mut buf[..n]).is_err() {
+                return self.complete(idx, S_IOERR);
+            }
+        }
+        slot.iov.clear();
+        slot.iov.push(libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: n,
+        });
+        let (iov, iovcnt) = (slot.iov.as_ptr(), 1);
+        let op = if read {
+            IoOp::Readv {
+                offset,
+                iov,
+                iovcnt,
+            }
+        } else {
+            IoOp::Writev {
+                offset,
+                iov,
+                iovcnt,
+                dsync: !self.drive.writeback(),
+            }
+        };
+        self.push(idx, op);
     }
 }
 
