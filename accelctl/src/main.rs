@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use accel_api::control::{self, DriveSpec, ErrorKind, Request, ThrottleLimits};
-use accel_api::status::{DriveStatus, Status};
+use accel_api::status::{DriveStatus, RunState, Status};
 use clap::{Args, Parser, Subcommand};
 use serde_json::Value;
 
@@ -805,7 +805,7 @@ fn migrate(cli: &Cli, m: &MigrateArgs) -> Result<(), Fail> {
     loop {
         let v = vm_of(&dest).map_err(|e| step_err("destination status", e))?;
         if v.as_ref()
-            .is_some_and(|v| v.attached && v.run_state == "inmigrate")
+            .is_some_and(|v| v.attached && v.run_state == Some(RunState::Inmigrate))
         {
             break;
         }
@@ -921,7 +921,9 @@ fn migrate(cli: &Cli, m: &MigrateArgs) -> Result<(), Fail> {
     // 5. The destination runs (its acceld sends `cont` once its drives are served).
     loop {
         let v = vm_of(&dest).map_err(|e| step_err("destination status", e))?;
-        if v.as_ref().is_some_and(|v| v.run_state == "running") {
+        if v.as_ref()
+            .is_some_and(|v| v.run_state == Some(RunState::Running))
+        {
             break;
         }
         if std::time::Instant::now() > deadline {
@@ -963,7 +965,7 @@ fn print_drive(v: Value) -> Result<(), Fail> {
         d.vm,
         d.drive,
         d.engine.as_str(),
-        if d.rings_lent { " (rings lent)" } else { "" },
+        if d.lend.lent { " (rings lent)" } else { "" },
         if d.reasons.is_empty() {
             String::new()
         } else {
@@ -1016,7 +1018,7 @@ fn status_table(st: &Status) -> String {
             rows.push(vec![
                 vm.vm.clone(),
                 d.drive.clone(),
-                if d.rings_lent {
+                if d.lend.lent {
                     format!("{}(lent)", d.engine.as_str())
                 } else {
                     d.engine.as_str().to_string()
@@ -1027,29 +1029,29 @@ fn status_table(st: &Status) -> String {
                 } else {
                     d.reasons.join(",")
                 },
-                d.switches.to_string(),
-                format!("{:.2}ms", d.last_pause_us as f64 / 1000.0),
-                format!("{:.0}", d.iops),
-                format!("{:.1}", d.mbps),
-                d.p99_us
+                d.switch.count.to_string(),
+                format!("{:.2}ms", d.switch.last_pause_us as f64 / 1000.0),
+                format!("{:.0}", d.io.iops),
+                format!("{:.1}", d.io.mbps),
+                d.io.p99_us
                     .map(|u| format!("<{u}us"))
                     .unwrap_or_else(|| "-".into()),
-                d.in_flight.to_string(),
-                d.errors.to_string(),
+                d.io.in_flight.to_string(),
+                d.io.errors.to_string(),
             ]);
-            if d.held_requests > 0 {
+            if d.io.held_requests > 0 {
                 notes.push(format!(
                     "{}/{}: {} requests held ({}); retried every 100 ms, or `accelctl resume {} {}`",
-                    vm.vm, d.drive, d.held_requests, d.io_status, vm.vm, d.drive
+                    vm.vm, d.drive, d.io.held_requests, d.io.status.as_str(), vm.vm, d.drive
                 ));
             }
-            if d.rings_lent {
+            if d.lend.lent {
                 notes.push(format!(
                     "{}/{}: rings lent to QEMU's vhost-user-blk export: QEMU serves the guest, its query-blockstats counts the requests",
                     vm.vm, d.drive
                 ));
             }
-            if let Some(e) = &d.last_error {
+            if let Some(e) = &d.io.last_error {
                 notes.push(format!("{}/{}: {e}", vm.vm, d.drive));
             }
         }

@@ -120,7 +120,7 @@ fn bench_acceld(dir: &Path, o: &MigBenchOpts) -> Result<Row> {
         cur.guest.wait_for("progress=", Duration::from_secs(60))?;
         runs.push(migrate(&cur, &dst, &format!("unix:{}", mig.display()))?);
         stop_us.push(
-            accs[at].drive("vm1", "d0")?["switchover_stop_us"]
+            accs[at].drive("vm1", "d0")?["migration"]["switchover_stop_us"]
                 .as_u64()
                 .unwrap_or(0),
         );

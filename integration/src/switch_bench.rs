@@ -70,7 +70,7 @@ pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
         acc.wait_engine("vm1", "d0", "qemu", Duration::from_secs(30))?;
         if o.lend {
             let t = Instant::now();
-            while acc.drive("vm1", "d0")?["rings_lent"] != true {
+            while acc.drive("vm1", "d0")?["lend"]["lent"] != true {
                 if t.elapsed() > Duration::from_secs(30) {
                     bail!("the rings were not lent within 30 s:\n{}", acc.log_text());
                 }
@@ -86,8 +86,8 @@ pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
     let out = vm.guest.wait_exit(Duration::from_secs(180))?;
     let pass = out.iter().any(|l| l.contains("RESULT: PASS"));
     let errors = guest_value(&out, "errors").unwrap_or_default();
-    let row = |name: &str, key: &str| {
-        let p = &d[key];
+    let row = |name: &str, section: &str, key: &str| {
+        let p = &d[section][key];
         println!(
             "| {name} | {} | {:.2} | {:.2} | {:.2} |",
             p["count"],
@@ -105,13 +105,14 @@ pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
     );
     println!("| direction | switches | pause p50 ms | p99 ms | max ms |");
     println!("|---|---|---|---|---|");
-    row("direct -> qemu", "pauses_to_qemu");
-    row("qemu -> direct", "pauses_to_direct");
+    row("direct -> qemu", "switch", "to_qemu");
+    row("qemu -> direct", "switch", "to_direct");
     if o.lend {
-        row("lend (qemu engine -> QEMU's export)", "pauses_lend");
+        row("lend (qemu engine -> QEMU's export)", "lend", "pauses");
         row(
             "take back (QEMU's export -> qemu engine)",
-            "pauses_take_back",
+            "lend",
+            "take_back_pauses",
         );
     }
     println!(

@@ -110,7 +110,7 @@ fn wedged(acc: &AcceldRun, dir: &Path, name: &str) -> Result<Wedged> {
 /// The in-flight request is really held: acceld's status counts it.
 fn in_flight(acc: &AcceldRun, vm: &str) -> Result<u64> {
     let d = acc.drive(vm, "w0")?;
-    Ok(d["in_flight"].as_u64().unwrap_or(0))
+    Ok(d["io"]["in_flight"].as_u64().unwrap_or(0))
 }
 
 /// The neighbour's QMP proxy: greeting and capabilities done; `cmd` timed.

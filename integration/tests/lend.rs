@@ -30,7 +30,16 @@ fn wait_drive(acc: &AcceldRun, what: &str, cond: impl Fn(&Value) -> bool) -> Res
 
 /// Requests acceld served itself.
 fn served(d: &Value) -> u64 {
-    d["reads"].as_u64().unwrap_or(0) + d["writes"].as_u64().unwrap_or(0)
+    let c = &d["io"]["counters"];
+    [
+        "rd_operations",
+        "failed_rd_operations",
+        "wr_operations",
+        "failed_wr_operations",
+    ]
+    .iter()
+    .map(|k| c[k].as_u64().expect("a counter"))
+    .sum()
 }
 
 /// Stops the guest's writers and returns the md5 of what they wrote, once the guest said
@@ -98,7 +107,7 @@ fn lent_rings_under_guest_writes_through_throttle_stop_cont_and_back_to_direct()
     let t = SideQmp::connect(&tq)?;
     let d = acc.drive("vm1", "d0")?;
     assert_eq!(
-        (d["engine"].as_str(), d["rings_lent"].as_bool()),
+        (d["engine"].as_str(), d["lend"]["lent"].as_bool()),
         (Some("direct"), Some(false)),
         "{d}"
     );
@@ -108,7 +117,7 @@ fn lent_rings_under_guest_writes_through_throttle_stop_cont_and_back_to_direct()
     // throttle filter, in acceld's iothread.
     acc.ctl_ok(&["throttle", "vm1", "d0", "--iops-total", "100000"])?;
     acc.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
-    wait_drive(&acc, "rings lent", |d| d["rings_lent"] == true)?;
+    wait_drive(&acc, "rings lent", |d| d["lend"]["lent"] == true)?;
     let ex = lend_exports(&t)?;
     assert_eq!(ex.len(), 1, "{ex:?}");
     assert_eq!(ex[0]["type"], "vhost-user-blk");
@@ -122,7 +131,7 @@ fn lent_rings_under_guest_writes_through_throttle_stop_cont_and_back_to_direct()
     let p0 = g.progress()?;
     let p1 = g.progress()?;
     let d = acc.drive("vm1", "d0")?;
-    assert!(d["rings_lent"] == true, "{d}");
+    assert!(d["lend"]["lent"] == true, "{d}");
     assert_eq!(served(&d), before, "acceld served requests while lent: {d}");
     assert!(p1 > p0, "the guest wrote nothing while lent ({p0} -> {p1})");
     println!("lent: the guest completed {} writes, acceld none", p1 - p0);
@@ -130,12 +139,12 @@ fn lent_rings_under_guest_writes_through_throttle_stop_cont_and_back_to_direct()
     // The VM stops: QEMU's device stops the rings (GET_VRING_BASE, with QEMU's main loop
     // waiting for acceld), so acceld takes them back from the export first. At cont the
     // rings restart and are lent again.
-    let lends = d["lends"].as_u64().unwrap_or(0);
+    let lends = d["lend"]["count"].as_u64().unwrap_or(0);
     t.cmd("stop", json!({}))?;
-    wait_drive(&acc, "rings back at stop", |d| d["rings_lent"] == false)?;
+    wait_drive(&acc, "rings back at stop", |d| d["lend"]["lent"] == false)?;
     t.cmd("cont", json!({}))?;
     wait_drive(&acc, "lent again after cont", |d| {
-        d["rings_lent"] == true && d["lends"].as_u64().unwrap_or(0) > lends
+        d["lend"]["lent"] == true && d["lend"]["count"].as_u64().unwrap_or(0) > lends
     })?;
     let p2 = g.progress()?;
     let p3 = g.progress()?;
@@ -145,7 +154,7 @@ fn lent_rings_under_guest_writes_through_throttle_stop_cont_and_back_to_direct()
     acc.ctl_ok(&["throttle", "vm1", "d0", "--clear"])?;
     acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(20))?;
     let d = acc.drive("vm1", "d0")?;
-    assert_eq!(d["rings_lent"], false, "{d}");
+    assert_eq!(d["lend"]["lent"], false, "{d}");
     assert!(lend_exports(&t)?.is_empty(), "the export is gone");
     let before = served(&d);
     g.progress()?;
@@ -188,14 +197,14 @@ fn a_lent_qcow2_drive_survives_acceld_sigkills() -> Result<()> {
     g.wait_for("READY", Duration::from_secs(120))
         .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
     wait_drive(&acc, "lent", |d| {
-        d["rings_lent"] == true && d["engine"] == "qemu"
+        d["lend"]["lent"] == true && d["engine"] == "qemu"
     })?;
     let mut at = g.progress()?;
     for k in 0..5 {
         acc.kill_and_start()?;
         acc.wait_attached("vm1", Duration::from_secs(60))?;
         wait_drive(&acc, "lent again after a restart", |d| {
-            d["rings_lent"] == true && d["engine"] == "qemu"
+            d["lend"]["lent"] == true && d["engine"] == "qemu"
         })?;
         at = g
             .progress_beyond(at)

@@ -155,7 +155,7 @@ fn direct_drive_migrates_round_trips_under_guest_writes() -> Result<()> {
         dst_acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;
         let sd = src_acc.drive("vm1", "d0")?;
         assert_eq!(
-            sd["image_released"], true,
+            sd["migration"]["image_released"], true,
             "source released the image: {sd}"
         );
         assert_eq!(
@@ -404,7 +404,7 @@ fn cancelled_migration_leaves_the_source_running() -> Result<()> {
     assert_eq!(status_of(&src)?, "running");
     let d = a.drive("vm1", "d0")?;
     assert_eq!(d["engine"], "direct", "{d}");
-    assert_eq!(d["image_released"], false, "{d}");
+    assert_eq!(d["migration"]["image_released"], false, "{d}");
     assert!(holds_lock(a.pid(), &img), "the source still owns the image");
     assert!(!has_open(b.pid(), &img));
     drop(dst);

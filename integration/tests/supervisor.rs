@@ -151,7 +151,7 @@ fn raw_drive_story_under_guest_writes() -> Result<()> {
     assert!(explain.contains("throttle"), "{explain}");
     std::thread::sleep(Duration::from_secs(2));
     let d = acc.drive("vm1", "d0")?;
-    println!("throttled: iops {} (limit 400)", d["iops"]);
+    println!("throttled: iops {} (limit 400)", d["io"]["iops"]);
 
     let t0 = Instant::now();
     acc.ctl_ok(&["throttle", "vm1", "d0", "--clear"])?;
@@ -177,13 +177,13 @@ fn raw_drive_story_under_guest_writes() -> Result<()> {
     let d = acc.drive("vm1", "d0")?;
     println!(
         "pauses to qemu: {}; to direct: {}; failed switches {}",
-        pct(&d, "pauses_to_qemu"),
-        pct(&d, "pauses_to_direct"),
-        d["failed_switches"]
+        pct(&d["switch"], "to_qemu"),
+        pct(&d["switch"], "to_direct"),
+        d["switch"]["failed"]
     );
-    assert_eq!(d["failed_switches"], 0, "{d}");
-    assert!(d["pauses_to_qemu"]["count"].as_u64().unwrap() >= 21);
-    assert!(d["pauses_to_direct"]["count"].as_u64().unwrap() >= 21);
+    assert_eq!(d["switch"]["failed"], 0, "{d}");
+    assert!(d["switch"]["to_qemu"]["count"].as_u64().unwrap() >= 21);
+    assert!(d["switch"]["to_direct"]["count"].as_u64().unwrap() >= 21);
 
     // A block job on the drive's node keeps it in QEMU while it runs; when the job ends the
     // drive goes back to direct by itself (events + quiet period).

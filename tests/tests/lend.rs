@@ -92,8 +92,8 @@ fn frontend(s: &TestServer, queues: usize) -> BlkFrontend {
 }
 
 fn served_by_acceld(s: &TestServer) -> u64 {
-    let st = &s.drive.stats;
-    st.reads.load(Ordering::Relaxed) + st.writes.load(Ordering::Relaxed)
+    let c = s.drive.stats.acct.counters();
+    c.rd_operations + c.failed_rd_operations + c.wr_operations + c.failed_wr_operations
 }
 
 #[test]

@@ -647,19 +647,16 @@ mod tests {
     use super::*;
 
     fn drive(id: &str) -> DriveStatus {
-        let mut d: DriveStatus = serde_json::from_value(json!({
-            "vm": "v", "drive": id, "device": id, "socket": "/s", "image": "/i", "format": "raw",
-            "engine": "direct", "since": 0, "reasons": [], "reason_sentences": [], "pin": null,
-            "throttle": null, "switches": 0, "failed_switches": 0, "last_pause_us": 0,
-            "pauses_to_direct": {"count": 0, "p50_us": 0, "p99_us": 0, "max_us": 0},
-            "pauses_to_qemu": {"count": 0, "p50_us": 0, "p99_us": 0, "max_us": 0},
-            "iops": 0.0, "mbps": 0.0, "p99_us": null, "in_flight": 0, "reads": 0, "writes": 0,
-            "bytes_read": 0, "bytes_written": 0, "errors": 0, "nbd_errors": 0,
-            "broken_queues": 0, "held_requests": 0, "nospace_events": 0, "resubmitted": 0,
-            "io_status": "", "last_error": null, "ring_errors": 0,
-            "io": accel_api::status::IoCounters::default()
-        }))
-        .expect("a drive status");
+        let mut d = DriveStatus {
+            vm: "v".into(),
+            drive: id.into(),
+            device: Some(id.into()),
+            socket: "/s".into(),
+            image: "/i".into(),
+            format: "raw".into(),
+            engine: EngineKind::Direct,
+            ..Default::default()
+        };
         d.data_node = None;
         d.node = id.into();
         d.file_node = Some(format!("{id}-file"));

@@ -90,7 +90,7 @@ pub fn block_info(d: &DriveStatus, qemu_node: Option<&Value>) -> Value {
     }
     // The write cache is the guest's (virtio's WCE), not the node's.
     inserted["cache"]["writeback"] = json!(d.writeback);
-    json!({"io-status": if d.io_status.is_empty() { "ok" } else { &d.io_status },
+    json!({"io-status": d.io.status.as_str(),
            "device": "", "locked": false, "removable": false, "inserted": inserted,
            "qdev": path, "type": "unknown"})
 }
@@ -184,7 +184,7 @@ fn file_node_stats(d: &DriveStatus) -> Option<Value> {
 
 /// acceld's counters as QEMU's `BlockDeviceStats` (monotonic across engine switches).
 pub fn block_stats(d: &DriveStatus) -> Value {
-    let c = &d.io;
+    let c = &d.io.counters;
     let mut stats = zero_stats();
     for (k, v) in [
         ("unmap_operations", c.unmap_operations),
@@ -308,7 +308,7 @@ pub fn hmp_block(info: &Value) -> String {
 /// HMP `info blockstats`' line of a drive (QEMU prints the BlockBackend's name: empty for a
 /// `-blockdev` drive).
 pub fn hmp_blockstats(d: &DriveStatus) -> String {
-    let c = &d.io;
+    let c = &d.io.counters;
     format!(
         ": rd_bytes={} wr_bytes={} rd_operations={} wr_operations={} flush_operations={} \
          wr_total_time_ns={} rd_total_time_ns={} flush_total_time_ns={} rd_merged=0 wr_merged=0 idle_time_ns=0\r\n",

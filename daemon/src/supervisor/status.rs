@@ -3,7 +3,10 @@
 use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime};
 
-use accel_api::status::{DriveStatus, EngineKind, PauseStats, PinKind, Status, VmStatus};
+use accel_api::status::{
+    DriveIo, DriveMigration, DriveStatus, EngineKind, IoStatus, LendStats, PauseStats, PinKind,
+    RunState, Status, SwitchStats, VmStatus,
+};
 use policy::Pin;
 
 use super::drive_state::ManagedDrive;
@@ -14,13 +17,13 @@ use accel_dataplane::util::lock;
 
 /// QEMU's `io-status` for the drive: `nospace` while writes are held for lack of space,
 /// `failed` while requests are held after another error (werror/rerror=stop), else `ok`.
-fn io_status(s: &accel_dataplane::drive::DriveStats) -> &'static str {
+fn io_status(s: &accel_dataplane::drive::DriveStats) -> IoStatus {
     if s.held_requests.load(Ordering::Relaxed) == 0 {
-        "ok"
+        IoStatus::Ok
     } else if s.hold_errno.load(Ordering::Relaxed) == libc::ENOSPC {
-        "nospace"
+        IoStatus::Nospace
     } else {
-        "failed"
+        IoStatus::Failed
     }
 }
 
@@ -107,36 +110,40 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         pin,
         pin_persistent,
         throttle,
-        switches: s.switches.load(Ordering::Relaxed),
-        failed_switches: st.failed_switches,
-        last_pause_us: s.last_pause_us.load(Ordering::Relaxed),
-        rings_lent: d.drive.rings_lent(),
-        lends: s.lends.load(Ordering::Relaxed),
-        switchover_stop_us: s.switchover_stop_us.load(Ordering::Relaxed),
-        pauses_to_direct: PauseStats::of(&st.to_direct_us),
-        pauses_to_qemu: PauseStats::of(&st.to_qemu_us),
-        pauses_lend: PauseStats::of(lock(&s.lend_pauses_us).make_contiguous()),
-        pauses_take_back: PauseStats::of(lock(&s.take_back_pauses_us).make_contiguous()),
-        iops: (st.rates.iops * 10.0).round() / 10.0,
-        mbps: (st.rates.mbps * 100.0).round() / 100.0,
-        p99_us: st.rates.p99_us,
-        in_flight: s.in_flight.load(Ordering::Relaxed),
-        reads: s.reads.load(Ordering::Relaxed),
-        writes: s.writes.load(Ordering::Relaxed),
-        bytes_read: s.bytes_read.load(Ordering::Relaxed),
-        bytes_written: s.bytes_written.load(Ordering::Relaxed),
-        errors: s.io_errors.load(Ordering::Relaxed),
-        nbd_errors,
-        broken_queues: s.broken_queues.load(Ordering::Relaxed),
-        held_requests: s.held_requests.load(Ordering::Relaxed),
-        nospace_events: s.nospace_events.load(Ordering::Relaxed),
-        resubmitted: s.resubmitted.load(Ordering::Relaxed),
-        io_status: io_status(s).into(),
-        ring_errors: s.ring_errors.load(Ordering::Relaxed),
-        last_error: ring_last.or_else(|| st.last_error.clone()).or(nbd_last),
-        io: s.acct.counters(),
+        io: DriveIo {
+            status: io_status(s),
+            iops: (st.rates.iops * 10.0).round() / 10.0,
+            mbps: (st.rates.mbps * 100.0).round() / 100.0,
+            p99_us: st.rates.p99_us,
+            in_flight: s.in_flight.load(Ordering::Relaxed),
+            errors: s.io_errors.load(Ordering::Relaxed),
+            nbd_errors,
+            broken_queues: s.broken_queues.load(Ordering::Relaxed),
+            ring_errors: s.ring_errors.load(Ordering::Relaxed),
+            held_requests: s.held_requests.load(Ordering::Relaxed),
+            nospace_events: s.nospace_events.load(Ordering::Relaxed),
+            resubmitted: s.resubmitted.load(Ordering::Relaxed),
+            last_error: ring_last.or_else(|| st.last_error.clone()).or(nbd_last),
+            counters: s.acct.counters(),
+        },
+        switch: SwitchStats {
+            count: s.switches.load(Ordering::Relaxed),
+            failed: st.failed_switches,
+            last_pause_us: s.last_pause_us.load(Ordering::Relaxed),
+            to_direct: PauseStats::of(&st.to_direct_us),
+            to_qemu: PauseStats::of(&st.to_qemu_us),
+        },
+        lend: LendStats {
+            lent: d.drive.rings_lent(),
+            count: s.lends.load(Ordering::Relaxed),
+            pauses: PauseStats::of(lock(&s.lend_pauses_us).make_contiguous()),
+            take_back_pauses: PauseStats::of(lock(&s.take_back_pauses_us).make_contiguous()),
+        },
+        migration: DriveMigration {
+            switchover_stop_us: s.switchover_stop_us.load(Ordering::Relaxed),
+            image_released: d.drive.image_handed_off(),
+        },
         writeback: d.drive.writeback(),
-        image_released: d.drive.image_handed_off(),
         spec: Some(d.spec.clone()),
         capacity_bytes: d.drive.capacity(),
     }
@@ -148,9 +155,13 @@ impl Supervisor {
         for vm in self.all_vms() {
             for d in &vm.drives() {
                 let s = &d.drive.stats;
-                let ops = s.reads.load(Ordering::Relaxed) + s.writes.load(Ordering::Relaxed);
-                let bytes =
-                    s.bytes_read.load(Ordering::Relaxed) + s.bytes_written.load(Ordering::Relaxed);
+                // Completed reads and writes (failed ones too) and the bytes they moved.
+                let c = s.acct.counters();
+                let ops = c.rd_operations
+                    + c.failed_rd_operations
+                    + c.wr_operations
+                    + c.failed_wr_operations;
+                let bytes = c.rd_bytes + c.wr_bytes;
                 let lat = s.latency.snapshot();
                 let now = Instant::now();
                 let mut st = lock(&d.stats);
@@ -179,7 +190,7 @@ impl Supervisor {
                     vm: vm.name.clone(),
                     qmp: vm.qmp_path.clone(),
                     attached: vm.qmp().is_ok(),
-                    run_state: lock(&vm.run_state).clone(),
+                    run_state: RunState::parse(&lock(&vm.run_state)),
                     attach_error: lock(&vm.attach_error).clone(),
                     drives: vm.drives().iter().map(|d| drive_status(vm, d)).collect(),
                     incoming: vm.incoming,

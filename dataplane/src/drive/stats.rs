@@ -10,14 +10,12 @@ use crate::util::LogLimit;
 /// Counters of a drive, readable at any time.
 #[derive(Debug, Default)]
 pub struct DriveStats {
-    pub reads: AtomicU64,
-    pub writes: AtomicU64,
+    /// Requests by type as they arrive (reads and writes, and their bytes, are counted once,
+    /// at completion, in `acct`).
     pub flushes: AtomicU64,
     pub discards: AtomicU64,
     pub write_zeroes: AtomicU64,
     pub get_ids: AtomicU64,
-    pub bytes_read: AtomicU64,
-    pub bytes_written: AtomicU64,
     /// Requests answered IOERR (bad requests and failed I/O).
     pub io_errors: AtomicU64,
     /// Requests answered UNSUPP.

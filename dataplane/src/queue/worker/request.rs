@@ -172,10 +172,7 @@ impl Worker {
             Op::Read { len, .. } | Op::Write { len, .. } => {
                 let read = matches!(op, Op::Read { .. });
                 if read {
-                    stats.reads.fetch_add(1, Ordering::Relaxed);
                     self.slots[idx].used_len = (len as u32).wrapping_add(1);
-                } else {
-                    stats.writes.fetch_add(1, Ordering::Relaxed);
                 }
                 if len == 0 {
                     return self.complete(idx, S_OK);
@@ -402,15 +399,9 @@ impl Worker {
         }
         let req = &self.slots[idx];
         let stats = &self.drive.stats;
-        match (status, req.op) {
-            (S_OK, Some(Op::Read { len, .. })) => {
-                stats.bytes_read.fetch_add(len, Ordering::Relaxed);
-            }
-            (S_OK, Some(Op::Write { len, .. })) => {
-                stats.bytes_written.fetch_add(len, Ordering::Relaxed);
-            }
-            (S_OK, _) => {}
-            (S_UNSUPP, _) => {
+        match status {
+            S_OK => {}
+            S_UNSUPP => {
                 stats.unsupported.fetch_add(1, Ordering::Relaxed);
             }
             _ => {
