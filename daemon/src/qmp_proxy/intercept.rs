@@ -21,12 +21,13 @@ use accel_api::status::{DriveStatus, EngineKind};
 use serde_json::{json, Map, Value};
 
 use super::hold::{hold, release};
+use super::host::Host;
 use super::synth::{self, node, qdev_path};
 use super::{forward, nbd, throttle, Shared};
-use crate::supervisor::Supervisor;
 
 pub struct Ctx {
-    pub sup: Arc<Supervisor>,
+    /// The rest of acceld (the supervisor, or a test's fake).
+    pub sup: Arc<dyn Host>,
     pub vm: String,
     pub shared: Arc<Shared>,
 }
@@ -35,13 +36,7 @@ use super::message::{QmpError, Reply};
 
 impl Ctx {
     pub fn drives(&self) -> Vec<DriveStatus> {
-        self.sup
-            .status()
-            .vms
-            .into_iter()
-            .find(|v| v.vm == self.vm)
-            .map(|v| v.drives)
-            .unwrap_or_default()
+        self.sup.drives(&self.vm)
     }
 
     pub fn again(&self) -> Ctx {
@@ -467,7 +462,7 @@ async fn resize(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
     let held = hold(ctx, &drives, name).await?;
     let r = ctx
         .sup
-        .with_export_off(&ctx.vm, drive, || forward(ctx, name, args))
+        .with_export_off(&ctx.vm, drive, Box::pin(forward(ctx, name, args)))
         .await;
     release(ctx, held).await;
     r.unwrap_or_else(|e| {

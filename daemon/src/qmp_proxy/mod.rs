@@ -30,9 +30,13 @@ use tracing::{debug, info, warn};
 
 use crate::supervisor::Supervisor;
 use accel_dataplane::util::LogLimit;
+use host::{Host, SupHost};
 
+#[cfg(test)]
+mod alone_tests;
 mod fds;
 mod hold;
+mod host;
 mod hotplug;
 mod intercept;
 mod message;
@@ -87,6 +91,10 @@ pub enum ProxyError {
 
 /// Serves a VM's proxy socket until the VM is unregistered.
 pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
+    serve_for(Arc::new(SupHost(sup)), vm).await
+}
+
+async fn serve_for(sup: Arc<dyn Host>, vm: String) -> Result<(), ProxyError> {
     let path = sup.monitor_socket(&vm);
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).map_err(|source| ProxyError::Listen {
@@ -610,7 +618,7 @@ async fn events_before_reply(ctx: &intercept::Ctx, handled: &Handled) {
 }
 
 async fn forward_events(
-    sup: Arc<Supervisor>,
+    sup: Arc<dyn Host>,
     vm: String,
     w: Writer,
     negotiated: Arc<AtomicBool>,
@@ -633,7 +641,7 @@ async fn forward_events(
             match rx.recv().await {
                 Ok(ev) => {
                     let seq = ev.seq;
-                    let open = forward_one(&sup, &vm, &w, &negotiated, &log, ev).await;
+                    let open = forward_one(&*sup, &vm, &w, &negotiated, &log, ev).await;
                     handled.fetch_max(seq, Ordering::Release);
                     if !open {
                         return;
@@ -661,7 +669,7 @@ async fn forward_events(
 
 /// Passes one event on (unless it is acceld's own); false when the client is gone.
 async fn forward_one(
-    sup: &Supervisor,
+    sup: &dyn Host,
     vm: &str,
     w: &Writer,
     negotiated: &AtomicBool,

@@ -47,14 +47,14 @@ fn refused_path(ctx: &Ctx, upstream: &std::path::Path, path: &str) -> Option<Str
         Some(std::fs::canonicalize(dir).ok()?.join(q.file_name()?))
     };
     let want = canon(p)?;
-    let vm_dir = ctx.sup.cfg.run_dir.join(&ctx.vm);
+    let vm_dir = ctx.sup.run_dir().join(&ctx.vm);
     let mut own: Vec<PathBuf> = vec![
         upstream.to_path_buf(),
         ctx.sup.monitor_socket(&ctx.vm),
         vm_dir.join("control.sock"),
         vm_dir.join("qemu-qmp.sock"),
         vm_dir.join("nbd.sock"),
-        ctx.sup.cfg.control_socket(),
+        ctx.sup.control_socket(),
     ];
     if let Ok(q) = ctx.sup.vm_qmp(&ctx.vm) {
         own.push(q.path().to_path_buf());
@@ -159,7 +159,7 @@ pub async fn start(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
             // acceld binds as root: for a VM whose QEMU is not, only in the VM's own
             // directory (the parent is root's run dir, so no link leads elsewhere).
             if ctx.sup.vm_owner(&ctx.vm).is_some() {
-                let dir = ctx.sup.cfg.run_dir.join(&ctx.vm);
+                let dir = ctx.sup.run_dir().join(&ctx.vm);
                 let p = std::path::Path::new(path);
                 let plain = p
                     .file_name()
