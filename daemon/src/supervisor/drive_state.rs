@@ -5,6 +5,10 @@
 //!   the throttle applied, the device found);
 //! - [`Observed`]: the policy's last view and reasons;
 //! - [`SwitchStats`]: pauses, failures, the last error, the NBD engine's counters, rates.
+//!
+//! Where they nest, they are taken in this order: `stats`, `observed`, `graph`, `intent`,
+//! `placement`, then `image` and `node` (docs/architecture.md, "Lock order"). A switch's
+//! outcome is applied in one step under `stats`, `graph` and `placement` ([`ManagedDrive::commit`]).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -223,6 +227,43 @@ impl ManagedDrive {
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.socket);
+    }
+
+    /// The drive is served by the direct engine from now on (`spec`: how, when it changed):
+    /// no NBD engine, no throttle in QEMU. See [`ManagedDrive::commit`].
+    pub fn commit_direct(&self, spec: Option<ServeSpec>) {
+        self.commit(EngineKind::Direct, None, None, spec);
+    }
+
+    /// The drive is served by the qemu engine from now on, over `nbd`, with `throttle` in
+    /// QEMU.
+    pub fn commit_qemu(&self, nbd: Arc<NbdStats>, throttle: Option<ThrottleLimits>) {
+        self.commit(EngineKind::Qemu, Some(nbd), throttle, None);
+    }
+
+    /// A switch's outcome in one step: the engine and what goes with it are applied with
+    /// `stats`, `graph` and `placement` held together (in the lock order,
+    /// docs/architecture.md), as `status` holds them, so a status shows the drive before the
+    /// switch or after it, never between.
+    fn commit(
+        &self,
+        engine: EngineKind,
+        nbd: Option<Arc<NbdStats>>,
+        throttle: Option<ThrottleLimits>,
+        direct_spec: Option<ServeSpec>,
+    ) {
+        let mut st = lock(&self.stats);
+        let mut g = lock(&self.graph);
+        let mut p = lock(&self.placement);
+        st.nbd = nbd;
+        g.applied_throttle = throttle;
+        if direct_spec.is_some() {
+            p.direct_spec = direct_spec;
+        }
+        if p.engine != engine {
+            p.engine = engine;
+            p.since = SystemTime::now();
+        }
     }
 
     pub fn set_engine(&self, k: EngineKind) {

@@ -29,6 +29,10 @@ fn io_status(s: &accel_dataplane::drive::DriveStats) -> IoStatus {
 
 pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
     let s = &d.drive.stats;
+    // Held first and to the end, in the lock order (stats, observed, graph, intent,
+    // placement): a switch commits its engine, NBD counters and throttle under the same
+    // locks (`ManagedDrive::commit`), so this shows it all or not at all.
+    let st = lock(&d.stats);
     let (engine, since) = {
         let p = lock(&d.placement);
         let since = p
@@ -63,7 +67,6 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
     let ring_last = (s.broken_queues.load(Ordering::Relaxed) > 0)
         .then(|| lock(&s.last_ring_error).clone())
         .flatten();
-    let st = lock(&d.stats);
     let nbd_errors = st
         .nbd
         .as_ref()

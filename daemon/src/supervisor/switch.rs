@@ -315,10 +315,7 @@ impl Supervisor {
                         self.back_to_qemu(vm, d, qmp, &e).await;
                         return Err(e);
                     }
-                    lock(&d.graph).applied_throttle = None;
-                    lock(&d.stats).nbd = None;
-                    lock(&d.placement).direct_spec = Some(spec.clone());
-                    d.set_engine(EngineKind::Direct);
+                    d.commit_direct(Some(spec.clone()));
                 }
                 info!(vm = %vm.name, drive = %d.spec.id, from = from.as_str(), to = to.kind().as_str(), pause_us = us, "switched");
                 self.save();
@@ -400,9 +397,7 @@ impl Supervisor {
                 engine.info().size
             )));
         }
-        lock(&d.graph).applied_throttle = throttle;
-        lock(&d.stats).nbd = Some(engine.stats());
-        d.set_engine(EngineKind::Qemu);
+        d.commit_qemu(engine.stats(), throttle);
         Ok(Arc::new(engine))
     }
 
@@ -473,9 +468,7 @@ impl Supervisor {
                 warn!(drive = %d.spec.id, "cannot undo the prepared qemu engine: {}{}", failed.join("; "), accel_dataplane::util::suppressed(n));
             }
         }
-        lock(&d.graph).applied_throttle = None;
-        lock(&d.stats).nbd = None;
-        d.set_engine(EngineKind::Direct);
+        d.commit_direct(None);
     }
 
     /// Makes `to` serve the drive and returns its engine (the drive is paused and the old
@@ -511,10 +504,7 @@ impl Supervisor {
                         return Err(err.into());
                     }
                 };
-                lock(&d.graph).applied_throttle = None;
-                lock(&d.stats).nbd = None;
-                lock(&d.placement).direct_spec = Some(spec.clone());
-                d.set_engine(EngineKind::Direct);
+                d.commit_direct(Some(spec.clone()));
                 Ok(Arc::new(e))
             }
             Target::Qemu => self.qemu_engine(vm, d, qmp, false).await,
