@@ -41,22 +41,6 @@ const ACCELD_LAYERS: &[&[&str]] = &[&["supervisor"], &["qmp_proxy"], &["run", "s
 /// Each needs a redesign rather than a moved type; the test fails when one changes, so that a
 /// broken circle leaves the list and no file joins one unnoticed.
 const ALLOWED_CIRCLES: &[(&str, &[&str])] = &[
-    // The QMP proxy's context: `intercept::Ctx` holds `Shared` (mod.rs), which holds
-    // `hold::Holds`, `hotplug::Nodes` and `nbd::MgmtNbd`, while hold.rs, hotplug.rs and nbd.rs
-    // take the whole `Ctx` (for the supervisor, the VM and `forward` to QEMU) and mod.rs and
-    // intercept.rs call them: moving `Ctx` to a file of its own leaves ctx <-> hold and so on.
-    // They reach the supervisor through `host::Host` now (a trait, faked in `alone_tests.rs`);
-    // the circle ends when they take their own parts instead of the whole `Ctx`.
-    (
-        "acceld",
-        &[
-            "qmp_proxy/hold.rs",
-            "qmp_proxy/hotplug.rs",
-            "qmp_proxy/intercept.rs",
-            "qmp_proxy/mod.rs",
-            "qmp_proxy/nbd.rs",
-        ],
-    ),
     // `Supervisor` (mod.rs) has its `impl` blocks in nine files (contract.rs, outside the
     // circle, is one), which name `super::Supervisor` and `super::SupError`, while mod.rs
     // calls into persist, status, observe and permit; the executor's files (switch,

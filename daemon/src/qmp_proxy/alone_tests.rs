@@ -12,9 +12,9 @@ use policy::Pin as DrivePin;
 use serde_json::{json, Map, Value};
 
 use super::host::{Host, HostFuture};
-use super::intercept::{command, Ctx};
+use super::intercept::command;
 use super::message::{ErrorClass, Reply};
-use super::Shared;
+use super::state::{Ctx, Shared};
 use crate::supervisor::{Owner, SupError};
 
 /// One VM `v` with one direct drive `d0`; every call recorded.

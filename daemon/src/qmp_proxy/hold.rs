@@ -8,19 +8,7 @@ use accel_api::status::{EngineKind, PinKind};
 use policy::Pin;
 use tracing::warn;
 
-use super::intercept::Ctx;
-
-/// A held drive: how many commands hold it, and the pin it had before the first (when the
-/// hold changed it), with whether that pin was persistent.
-struct Entry {
-    holders: usize,
-    restore: Option<(Option<Pin>, bool)>,
-}
-
-#[derive(Default)]
-pub struct Holds {
-    held: tokio::sync::Mutex<HashMap<String, Entry>>,
-}
+use super::state::{Ctx, Entry};
 
 /// What one command holds; give it back with [`release`].
 #[must_use]

@@ -15,56 +15,12 @@
 //! [`crate::supervisor::Supervisor::unplug`]), so that management's `blockdev-del` that
 //! follows finds them, as on a plain VM.
 
-use std::collections::BTreeMap;
-
 use serde_json::{json, Map, Value};
 use tracing::{info, warn};
 
-use super::intercept::Ctx;
-use super::{forward, upstream, Via};
-use accel_dataplane::util::{lock, suppressed};
-
-/// Most nodes the proxy remembers per VM (management's `blockdev-add`s not yet deleted).
-const MAX_NODES: usize = 1024;
-/// Largest `blockdev-add` options it remembers (libvirt's are a few hundred bytes).
-const MAX_NODE_BYTES: usize = 16 * 1024;
-
-/// The options of the nodes management added through this VM's proxy, by node name.
-#[derive(Default)]
-pub struct Nodes(std::sync::Mutex<BTreeMap<String, Value>>);
-
-impl Nodes {
-    /// QEMU took a `blockdev-add` with these options.
-    pub fn added(&self, args: &Option<Map<String, Value>>) {
-        let Some(a) = args else { return };
-        let Some(name) = a.get("node-name").and_then(Value::as_str) else {
-            return;
-        };
-        let v = Value::Object(a.clone());
-        if v.to_string().len() > MAX_NODE_BYTES {
-            return;
-        }
-        let mut m = lock(&self.0);
-        if m.len() < MAX_NODES || m.contains_key(name) {
-            m.insert(name.to_string(), v);
-        }
-    }
-
-    /// QEMU deleted a node.
-    pub fn deleted(&self, args: &Option<Map<String, Value>>) {
-        if let Some(name) = args
-            .as_ref()
-            .and_then(|a| a.get("node-name"))
-            .and_then(Value::as_str)
-        {
-            lock(&self.0).remove(name);
-        }
-    }
-
-    fn all(&self) -> BTreeMap<String, Value> {
-        lock(&self.0).clone()
-    }
-}
+use super::state::Ctx;
+use super::upstream::{forward, upstream, Via};
+use accel_dataplane::util::suppressed;
 
 use super::message::Reply;
 
@@ -151,38 +107,5 @@ pub async fn device_add(ctx: &Ctx, args: Option<Map<String, Value>>) -> Reply {
             ctx.sup.plugged(&ctx.vm, &drive, None).await;
             forward(ctx, "device_add", args).await
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn add(name: &str, extra: usize) -> Option<Map<String, Value>> {
-        let v = json!({"driver": "file", "node-name": name, "filename": "x".repeat(extra)});
-        v.as_object().cloned()
-    }
-
-    #[test]
-    fn nodes_are_remembered_until_deleted_and_bounded() {
-        let n = Nodes::default();
-        n.added(&add("a", 1));
-        n.added(&None);
-        n.added(&json!({"driver": "file"}).as_object().cloned());
-        assert_eq!(n.all().keys().collect::<Vec<_>>(), ["a"]);
-        // Options larger than a node's bound are not kept.
-        n.added(&add("big", MAX_NODE_BYTES));
-        assert!(!n.all().contains_key("big"));
-        for i in 0..MAX_NODES + 10 {
-            n.added(&add(&format!("n{i}"), 1));
-        }
-        assert_eq!(n.all().len(), MAX_NODES);
-        // A node added again replaces its options even at the bound.
-        n.added(&add("a", 7));
-        assert_eq!(n.all()["a"]["filename"], "x".repeat(7));
-        n.deleted(&json!({"node-name": "a"}).as_object().cloned());
-        n.deleted(&json!({"node-name": 5}).as_object().cloned());
-        assert!(!n.all().contains_key("a"));
-        assert_eq!(n.all().len(), MAX_NODES - 1);
     }
 }

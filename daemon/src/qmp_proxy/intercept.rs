@@ -15,38 +15,17 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 
 use accel_api::status::{DriveStatus, EngineKind};
 use serde_json::{json, Map, Value};
 
 use super::hold::{hold, release};
-use super::host::Host;
+pub use super::state::Ctx;
 use super::synth::{self, node, qdev_path};
-use super::{forward, nbd, throttle, Shared};
-
-pub struct Ctx {
-    /// The rest of acceld (the supervisor, or a test's fake).
-    pub sup: Arc<dyn Host>,
-    pub vm: String,
-    pub shared: Arc<Shared>,
-}
+use super::upstream::forward;
+use super::{nbd, throttle};
 
 use super::message::{QmpError, Reply};
-
-impl Ctx {
-    pub fn drives(&self) -> Vec<DriveStatus> {
-        self.sup.drives(&self.vm)
-    }
-
-    pub fn again(&self) -> Ctx {
-        Ctx {
-            sup: self.sup.clone(),
-            vm: self.vm.clone(),
-            shared: self.shared.clone(),
-        }
-    }
-}
 
 /// Names acceld gives its own objects in QEMU.
 fn own_name(s: &str) -> bool {

@@ -31,6 +31,8 @@ use tracing::{debug, info, warn};
 use crate::supervisor::Supervisor;
 use accel_dataplane::util::LogLimit;
 use host::{Host, SupHost};
+use state::{Ctx, Shared};
+use upstream::{forward, upstream, Via};
 
 #[cfg(test)]
 mod alone_tests;
@@ -42,20 +44,10 @@ mod intercept;
 mod message;
 mod nbd;
 mod nbd_filter;
+mod state;
 mod synth;
 mod throttle;
-
-/// What every client of a VM's proxy shares: the drives held on QEMU's block layer and
-/// management's NBD server.
-#[derive(Default)]
-pub struct Shared {
-    holds: hold::Holds,
-    nbd: nbd::MgmtNbd,
-    /// The nodes management added (for its hot-plugged disks).
-    plugged: hotplug::Nodes,
-    /// Budget of the log lines management's commands can cause.
-    log: LogLimit,
-}
+mod upstream;
 
 pub use message::{check_request, ErrorClass, QmpError, Reply, Request, Shape};
 
@@ -74,10 +66,6 @@ pub const MAX_OOB_INFLIGHT: usize = 8;
 /// Longest one write to a client may wait for the client to read: a client that does not
 /// read its replies and events is dropped then.
 const CLIENT_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A forwarded command may take long (savevm, a big transaction): QEMU's own monitor has no
-/// timeout at all.
-const FORWARD_TIMEOUT: Duration = Duration::from_secs(3600);
 
 #[derive(Debug, Error)]
 pub enum ProxyError {
@@ -123,7 +111,7 @@ async fn serve_for(sup: Arc<dyn Host>, vm: String) -> Result<(), ProxyError> {
                         continue;
                     };
                     let n = clients.fetch_add(1, Ordering::Relaxed);
-                    let ctx = intercept::Ctx { sup: sup.clone(), vm: vm.clone(), shared: shared.clone() };
+                    let ctx = Ctx { sup: sup.clone(), vm: vm.clone(), shared: shared.clone() };
                     let l = log.clone();
                     tokio::spawn(async move {
                         client(ctx, n, stream, l).await;
@@ -233,7 +221,7 @@ fn own_event(ev: &qmp_client::Event) -> bool {
     }
 }
 
-async fn client(ctx: intercept::Ctx, n: u64, stream: UnixStream, log: Arc<LogLimit>) {
+async fn client(ctx: Ctx, n: u64, stream: UnixStream, log: Arc<LogLimit>) {
     let (sup, vm) = (ctx.sup.clone(), ctx.vm.clone());
     // QEMU's greeting needs QEMU: wait for acceld to be attached (the client waits as it would
     // for a QEMU that is starting).
@@ -401,7 +389,7 @@ enum Inband {
 
 /// A client's in-band commands, one at a time, replies in order.
 async fn inband(
-    ctx: intercept::Ctx,
+    ctx: Ctx,
     w: Writer,
     mut st: ClientState,
     mut rx: tokio::sync::mpsc::Receiver<Inband>,
@@ -426,14 +414,14 @@ async fn inband(
 
 /// An `exec-oob` command of a client that enabled oob: to QEMU out of band at once, ahead of
 /// the client's queued in-band commands.
-async fn out_of_band(ctx: &intercept::Ctx, v: Value) -> Option<Value> {
+async fn out_of_band(ctx: &Ctx, v: Value) -> Option<Value> {
     match message::check_request(v, true) {
         Shape::Request(r) => Some(run_oob(ctx, r).await),
         Shape::Invalid { desc, id } => Some(error_reply("GenericError", &desc, id.as_ref())),
     }
 }
 
-async fn run_oob(ctx: &intercept::Ctx, req: Request) -> Value {
+async fn run_oob(ctx: &Ctx, req: Request) -> Value {
     let id = req.id.as_ref();
     let yank = req.execute == "query-yank";
     match upstream(ctx, &req.execute, req.arguments, Via::OutOfBand).await {
@@ -460,7 +448,7 @@ struct ClientState {
 
 /// One message from a client: the reply to send.
 async fn handle(
-    ctx: &intercept::Ctx,
+    ctx: &Ctx,
     st: &mut ClientState,
     v: Value,
     fd: Option<std::os::fd::OwnedFd>,
@@ -544,57 +532,6 @@ async fn handle(
     })
 }
 
-/// How a command goes to QEMU.
-enum Via<'a> {
-    InBand,
-    /// With a file descriptor attached (SCM_RIGHTS).
-    Fd(&'a std::os::fd::OwnedFd),
-    /// As `exec-oob`.
-    OutOfBand,
-}
-
-/// Sends a command to QEMU over acceld's connection; QEMU's answer, error class and text
-/// included.
-async fn upstream(
-    ctx: &intercept::Ctx,
-    name: &str,
-    args: Option<Map<String, Value>>,
-    via: Via<'_>,
-) -> Reply {
-    use std::os::fd::AsFd;
-    let qmp = ctx
-        .sup
-        .vm_qmp(&ctx.vm)
-        .map_err(|e| QmpError::generic(format!("acceld's QMP proxy: {}", e.chain())))?;
-    let args = args.map(Value::Object);
-    let r = match via {
-        Via::InBand => qmp.execute_raw_timeout(name, args, FORWARD_TIMEOUT).await,
-        Via::Fd(fd) => {
-            qmp.execute_raw_with_fd(name, args, FORWARD_TIMEOUT, fd.as_fd())
-                .await
-        }
-        Via::OutOfBand => qmp.execute_oob_raw(name, args, FORWARD_TIMEOUT).await,
-    };
-    match r {
-        Ok(v) => Ok(v),
-        Err(qmp_client::QmpError::Qemu { class, desc, .. }) => {
-            Err(QmpError::new(ErrorClass::parse(&class), desc))
-        }
-        Err(e) => Err(QmpError::generic(format!(
-            "acceld's QMP proxy: QEMU did not answer: {e}"
-        ))),
-    }
-}
-
-/// Forwards a command to QEMU as it is; QEMU's answer, error class and text included.
-pub(crate) async fn forward(
-    ctx: &intercept::Ctx,
-    name: &str,
-    args: Option<Map<String, Value>>,
-) -> Reply {
-    upstream(ctx, name, args, Via::InBand).await
-}
-
 /// Events this client's forwarder has passed on (or skipped), by `Event::seq`: a reply waits
 /// for the events QEMU sent before it (QEMU's order; libvirt's `migrate-incoming` relies on
 /// its MIGRATION `setup` event arriving before the reply).
@@ -606,7 +543,7 @@ const UNPLUG_WAIT: Duration = Duration::from_secs(15);
 /// Longest a reply waits for the events before it.
 const EVENT_ORDER_WAIT: Duration = Duration::from_millis(200);
 
-async fn events_before_reply(ctx: &intercept::Ctx, handled: &Handled) {
+async fn events_before_reply(ctx: &Ctx, handled: &Handled) {
     let Ok(qmp) = ctx.sup.vm_qmp(&ctx.vm) else {
         return;
     };

@@ -10,12 +10,11 @@ use std::path::PathBuf;
 
 use serde_json::{json, Map, Value};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
-use tokio::task::JoinHandle;
 use tracing::{debug, info};
 
-use super::forward;
-use super::intercept::Ctx;
 use super::nbd_filter;
+use super::state::{Ctx, MgmtNbd, Server};
+use super::upstream::forward;
 
 /// Connections of management's NBD server at once, whatever `max-connections` says (each is
 /// a connection to QEMU and a task in acceld).
@@ -73,37 +72,6 @@ fn refused_path(ctx: &Ctx, upstream: &std::path::Path, path: &str) -> Option<Str
 }
 
 use super::message::{QmpError, Reply};
-
-#[derive(Default)]
-pub struct MgmtNbd {
-    server: tokio::sync::Mutex<Option<Server>>,
-}
-
-struct Server {
-    task: JoinHandle<()>,
-    /// The unix socket management asked for (removed at stop, as QEMU does).
-    unix_path: Option<PathBuf>,
-    /// NBD exports management added while its server ran (deleted at stop).
-    exports: Vec<String>,
-}
-
-impl MgmtNbd {
-    pub async fn running(&self) -> bool {
-        self.server.lock().await.is_some()
-    }
-
-    pub async fn added(&self, id: &str) {
-        if let Some(s) = self.server.lock().await.as_mut() {
-            s.exports.push(id.to_string());
-        }
-    }
-
-    pub async fn deleted(&self, id: &str) {
-        if let Some(s) = self.server.lock().await.as_mut() {
-            s.exports.retain(|e| e != id);
-        }
-    }
-}
 
 enum Listener {
     Unix(UnixListener),
