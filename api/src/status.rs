@@ -95,6 +95,18 @@ pub struct IoCounters {
     pub invalid_unmap_operations: u64,
 }
 
+impl IoCounters {
+    /// Reads completed, successful or failed.
+    pub fn reads(&self) -> u64 {
+        self.rd_operations + self.failed_rd_operations
+    }
+
+    /// Writes (and write-zeroes) completed, successful or failed.
+    pub fn writes(&self) -> u64 {
+        self.wr_operations + self.failed_wr_operations
+    }
+}
+
 /// QEMU's `io-status` of a drive (`query-block`'s `io-status`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -309,12 +321,10 @@ impl Status {
         let metrics: [(&str, &str, Get); 15] = [
             // Completed requests (successful or failed), as QEMU counts them.
             ("accel_drive_reads_total", "counter", |d| {
-                let c = &d.io.counters;
-                (c.rd_operations + c.failed_rd_operations) as f64
+                d.io.counters.reads() as f64
             }),
             ("accel_drive_writes_total", "counter", |d| {
-                let c = &d.io.counters;
-                (c.wr_operations + c.failed_wr_operations) as f64
+                d.io.counters.writes() as f64
             }),
             ("accel_drive_read_bytes_total", "counter", |d| {
                 d.io.counters.rd_bytes as f64

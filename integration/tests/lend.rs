@@ -30,16 +30,9 @@ fn wait_drive(acc: &AcceldRun, what: &str, cond: impl Fn(&Value) -> bool) -> Res
 
 /// Requests acceld served itself.
 fn served(d: &Value) -> u64 {
-    let c = &d["io"]["counters"];
-    [
-        "rd_operations",
-        "failed_rd_operations",
-        "wr_operations",
-        "failed_wr_operations",
-    ]
-    .iter()
-    .map(|k| c[k].as_u64().expect("a counter"))
-    .sum()
+    let c: accel_api::status::IoCounters =
+        serde_json::from_value(d["io"]["counters"].clone()).expect("the drive's counters");
+    c.reads() + c.writes()
 }
 
 /// Stops the guest's writers and returns the md5 of what they wrote, once the guest said

@@ -93,7 +93,7 @@ fn frontend(s: &TestServer, queues: usize) -> BlkFrontend {
 
 fn served_by_acceld(s: &TestServer) -> u64 {
     let c = s.drive.stats.acct.counters();
-    c.rd_operations + c.failed_rd_operations + c.wr_operations + c.failed_wr_operations
+    c.reads() + c.writes()
 }
 
 #[test]

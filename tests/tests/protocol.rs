@@ -438,8 +438,7 @@ fn get_vring_base_waits_for_in_flight_requests_on(base: &ServerOptions) {
     );
     println!("GET_VRING_BASE returned {base} with {} used", used.len());
     assert!(base > 0, "the server had started on the requests");
-    let c = s.drive.stats.acct.counters();
-    let done = c.wr_operations + c.failed_wr_operations;
+    let done = s.drive.stats.acct.counters().writes();
     assert_eq!(done, u64::from(base));
 }
 

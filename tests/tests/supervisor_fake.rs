@@ -17,16 +17,9 @@ use serde_json::Value;
 
 /// Reads and writes acceld completed (successful or failed).
 fn served(d: &Value) -> u64 {
-    let c = &d["io"]["counters"];
-    [
-        "rd_operations",
-        "failed_rd_operations",
-        "wr_operations",
-        "failed_wr_operations",
-    ]
-    .iter()
-    .map(|k| c[k].as_u64().expect("a counter"))
-    .sum()
+    let c: accel_api::status::IoCounters =
+        serde_json::from_value(d["io"]["counters"].clone()).expect("the drive's counters");
+    c.reads() + c.writes()
 }
 
 fn drive(sup: &Supervisor) -> Value {

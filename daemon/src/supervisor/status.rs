@@ -160,10 +160,7 @@ impl Supervisor {
                 let s = &d.drive.stats;
                 // Completed reads and writes (failed ones too) and the bytes they moved.
                 let c = s.acct.counters();
-                let ops = c.rd_operations
-                    + c.failed_rd_operations
-                    + c.wr_operations
-                    + c.failed_wr_operations;
+                let ops = c.reads() + c.writes();
                 let bytes = c.rd_bytes + c.wr_bytes;
                 let lat = s.latency.snapshot();
                 let now = Instant::now();
