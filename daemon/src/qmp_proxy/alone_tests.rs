@@ -222,18 +222,23 @@ fn a_throttle_on_a_drive_is_acceld_s_and_any_other_goes_to_qemu() {
     assert_eq!(fake.calls().len(), 1);
 }
 
+/// `blockdev-backup` of drive d0's node (QEMU is not there: it fails once forwarded).
+fn backup_of_d0(c: &Ctx) -> super::message::QmpError {
+    run(
+        c,
+        "blockdev-backup",
+        json!({"job-id": "j", "device": "d0", "target": "t", "sync": "full"}),
+    )
+    .unwrap_err()
+}
+
 /// A command that names a drive's node holds the drive on QEMU's block layer while QEMU runs
 /// it (a temporary pin), and gives it back whatever QEMU answered.
 #[test]
 fn a_block_command_on_a_drive_pins_it_to_qemu_for_the_command() {
     let fake = Fake::new(EngineKind::Qemu);
     let c = ctx(&fake);
-    let e = run(
-        &c,
-        "blockdev-backup",
-        json!({"job-id": "j", "device": "d0", "target": "t", "sync": "full"}),
-    )
-    .unwrap_err();
+    let e = backup_of_d0(&c);
     assert!(e.desc.contains("is not attached"), "forwarded: {e:?}");
     assert_eq!(
         fake.calls(),
@@ -248,12 +253,7 @@ fn a_block_command_on_a_drive_pins_it_to_qemu_for_the_command() {
 fn a_drive_that_cannot_go_to_qemu_fails_the_command_before_qemu_sees_it() {
     let fake = Fake::new(EngineKind::Direct);
     let c = ctx(&fake);
-    let e = run(
-        &c,
-        "blockdev-backup",
-        json!({"job-id": "j", "device": "d0", "target": "t", "sync": "full"}),
-    )
-    .unwrap_err();
+    let e = backup_of_d0(&c);
     assert!(
         e.desc
             .contains("cannot move drive 'd0' to QEMU's block layer for blockdev-backup"),

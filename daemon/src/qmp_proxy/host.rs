@@ -96,13 +96,7 @@ pub struct SupHost(pub Arc<Supervisor>);
 
 impl Host for SupHost {
     fn drives(&self, vm: &str) -> Vec<DriveStatus> {
-        self.0
-            .status()
-            .vms
-            .into_iter()
-            .find(|v| v.vm == vm)
-            .map(|v| v.drives)
-            .unwrap_or_default()
+        self.0.vm_drive_statuses(vm)
     }
 
     fn vm_names(&self) -> Vec<String> {

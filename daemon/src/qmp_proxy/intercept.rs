@@ -20,7 +20,7 @@ use accel_api::status::{DriveStatus, EngineKind};
 use serde_json::{json, Map, Value};
 
 use super::hold::{hold, release};
-pub use super::state::Ctx;
+use super::state::Ctx;
 use super::synth::{self, node, qdev_path};
 use super::upstream::forward;
 use super::{nbd, throttle};

@@ -79,10 +79,7 @@ pub enum ProxyError {
 
 /// Serves a VM's proxy socket until the VM is unregistered.
 pub async fn serve(sup: Arc<Supervisor>, vm: String) -> Result<(), ProxyError> {
-    serve_for(Arc::new(SupHost(sup)), vm).await
-}
-
-async fn serve_for(sup: Arc<dyn Host>, vm: String) -> Result<(), ProxyError> {
+    let sup: Arc<dyn Host> = Arc::new(SupHost(sup));
     let path = sup.monitor_socket(&vm);
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).map_err(|source| ProxyError::Listen {

@@ -152,7 +152,18 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
     }
 }
 
+/// Every drive of `vm`, as `status` shows it.
+fn drive_statuses(vm: &Vm) -> Vec<DriveStatus> {
+    vm.drives().iter().map(|d| drive_status(vm, d)).collect()
+}
+
 impl Supervisor {
+    /// The drives of one VM as `status` shows them (none for a VM acceld does not know),
+    /// without building the others'.
+    pub fn vm_drive_statuses(&self, vm: &str) -> Vec<DriveStatus> {
+        self.vm(vm).map(|v| drive_statuses(&v)).unwrap_or_default()
+    }
+
     /// Updates every drive's rates (called about once a second).
     pub fn sample_rates(&self) {
         for vm in self.all_vms() {
@@ -192,7 +203,7 @@ impl Supervisor {
                     attached: vm.qmp().is_ok(),
                     run_state: RunState::parse(&lock(&vm.run_state)),
                     attach_error: lock(&vm.attach_error).clone(),
-                    drives: vm.drives().iter().map(|d| drive_status(vm, d)).collect(),
+                    drives: drive_statuses(vm),
                     incoming: vm.incoming,
                     migration: lock(&vm.migration).clone(),
                     monitor: Some(self.monitor_socket(&vm.name)),

@@ -208,18 +208,19 @@ impl Worker {
         let slot = &self.slots[idx];
         let offset = slot.offset() + slot.done;
         let (iov, iovcnt) = (slot.iov.as_ptr(), slot.iov.len() as u32);
-        let op = match slot.is_read() {
-            true => IoOp::Readv {
+        let op = if slot.is_read() {
+            IoOp::Readv {
                 offset,
                 iov,
                 iovcnt,
-            },
-            false => IoOp::Writev {
+            }
+        } else {
+            IoOp::Writev {
                 offset,
                 iov,
                 iovcnt,
                 dsync,
-            },
+            }
         };
         self.push(idx, op);
     }
