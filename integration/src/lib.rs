@@ -382,9 +382,19 @@ impl Guest {
         keeps_progressing(span, window, || self.progress())
     }
 
-    /// Waits for a serial line containing `needle`, up to `timeout`.
+    /// Waits for a serial line containing `needle`, up to `timeout`. A guest that does not
+    /// get there shows what its QEMU waits in, as [`Guest::wait_exit`] does.
     pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<String> {
-        wait_line(&self.lines, &mut self.output, needle, timeout)
+        let r = wait_line(&self.lines, &mut self.output, needle, timeout);
+        r.map_err(|e| {
+            let pid = self.child.id();
+            e.context(format!(
+                "QEMU's threads:\n{}\ntheir stacks:\n{}\nQEMU's trace (last {TRACE_KEEP} lines):\n{}",
+                thread_states(pid),
+                backtraces(pid),
+                self.trace_text()
+            ))
+        })
     }
 
     /// Types a line on the guest's serial console (scripts may `read` it from /dev/ttyS0).
