@@ -10,6 +10,7 @@ use tracing::info;
 use accel_dataplane::drive::DEFAULT_POLL_US;
 use accel_dataplane::drive::{DiscardMode, Drive, DriveConfig, DriveConfigError, ErrorPolicy};
 use accel_dataplane::engine::nbd::{NbdEngine, NbdError};
+use accel_dataplane::engine::relay::{RelayEngine, RelayError};
 use accel_dataplane::engine::{Engine, EngineError, FileEngine, FileEngineConfig, IoMode};
 use accel_dataplane::vhost::{ServeError, Server, ShutdownHandle};
 
@@ -23,7 +24,7 @@ pub enum OnOff {
 #[derive(Args, Clone, Debug)]
 pub struct ServeArgs {
     /// Raw image file or block device.
-    #[arg(long, required_unless_present = "nbd_socket")]
+    #[arg(long, required_unless_present_any = ["nbd_socket", "relay_to"])]
     pub image: Option<PathBuf>,
     /// Serve through an NBD export instead of a file (the qemu engine): the NBD server's
     /// unix socket, e.g. QEMU's `nbd-server-start` address. For tests and benchmarks.
@@ -38,6 +39,11 @@ pub struct ServeArgs {
     /// what the guest can tell.
     #[arg(long, requires = "nbd_socket")]
     pub lend_to: Option<PathBuf>,
+    /// Serve through QEMU's vhost-user-blk export listening on this socket (the qemu engine's
+    /// relay: acceld keeps the guest's rings and posts each request on a ring of its own in
+    /// the export, zero copy). No NBD needed. For tests and benchmarks.
+    #[arg(long, conflicts_with_all = ["image", "nbd_socket"])]
+    pub relay_to: Option<PathBuf>,
     /// vhost-user socket to listen on (QEMU: -chardev socket,path=...).
     #[arg(long)]
     pub socket: PathBuf,
@@ -144,6 +150,10 @@ pub enum ServeCmdError {
     #[error(transparent)]
     Nbd(#[from] NbdError),
     #[error(transparent)]
+    Relay(#[from] RelayError),
+    #[error("the export's logical block size is {export}, not {asked} (--logical-block-size)")]
+    BlockSize { export: u32, asked: u32 },
+    #[error(transparent)]
     Serve(#[from] ServeError),
     #[error("cannot install the signal handler")]
     Signals(#[source] std::io::Error),
@@ -154,8 +164,26 @@ pub enum ServeCmdError {
 impl ServeArgs {
     /// The drive and its engine (direct, or NBD with --nbd-socket), every argument checked.
     pub fn build(&self) -> Result<Arc<Drive>, ServeCmdError> {
+        let mut read_only = self.read_only;
         let (engine, size, path, label): (Arc<dyn Engine>, u64, PathBuf, String) =
             match (&self.image, &self.nbd_socket) {
+                _ if self.relay_to.is_some() => {
+                    let sock = self.relay_to.clone().unwrap_or_default();
+                    let e = RelayEngine::connect(&sock, None, usize::from(self.queues))?;
+                    let c = e.config();
+                    if c.blk_size != self.logical_block_size {
+                        return Err(ServeCmdError::BlockSize {
+                            export: c.blk_size,
+                            asked: self.logical_block_size,
+                        });
+                    }
+                    read_only |= c.read_only;
+                    let label = sock
+                        .file_stem()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_else(|| "disk".into());
+                    (Arc::new(e), c.capacity, sock, label)
+                }
                 (_, Some(sock)) => {
                     let export = self.nbd_export.clone().unwrap_or_default();
                     // One connection per queue now; a queue that opens again later (the
@@ -199,7 +227,7 @@ impl ServeArgs {
                 .unwrap_or_else(|| label.chars().take(20).collect()),
             capacity_bytes: size,
             logical_block_size: self.logical_block_size,
-            read_only: self.read_only,
+            read_only,
             num_queues: self.queues,
             queue_size: self.queue_size,
             discard: self.discard,
@@ -235,7 +263,7 @@ pub fn run(args: &ServeArgs) -> Result<(), ServeCmdError> {
         std::time::Duration::from_millis(args.shutdown_timeout_ms),
     )?;
     info!(
-        image = %args.image.as_deref().or(args.nbd_socket.as_deref()).unwrap_or(std::path::Path::new("")).display(),
+        image = %args.image.as_deref().or(args.nbd_socket.as_deref()).or(args.relay_to.as_deref()).unwrap_or(std::path::Path::new("")).display(),
         socket = %args.socket.display(),
         queues = args.queues,
         capacity = drive.config().capacity_bytes,

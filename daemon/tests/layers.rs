@@ -2,7 +2,7 @@
 //! `docs/architecture.md`), checked on their source text:
 //!
 //! 1. **Layer order.** A top-level module may use only itself and the layers below it. In
-//!    `accel_dataplane`: util, virtio_blk, guest_mem, engine, drive, queue, vhost; in `acceld`:
+//!    `accel_dataplane`: util, virtio_blk, guest_mem and vu_frontend, engine, drive, queue, vhost; in `acceld`:
 //!    supervisor, qmp_proxy, run/serve, with the whole of `accel_dataplane` below them (Cargo
 //!    keeps the data plane from naming `acceld` at all).
 //! 2. **No circles between the files of one top-level module** (`supervisor/a.rs` uses
@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 const DATAPLANE_LAYERS: &[&[&str]] = &[
     &["util"],
     &["virtio_blk"],
-    &["guest_mem"],
+    &["guest_mem", "vu_frontend"],
     &["engine"],
     &["drive"],
     &["queue"],

@@ -7,8 +7,9 @@
 //!
 //! Layers, bottom first; a module uses only the layers below it (checked by
 //! `daemon/tests/layers.rs`):
-//! 1. foundations: [`util`], [`virtio_blk`], [`guest_mem`]
-//! 2. [`engine`]: held, file (io_uring, inline, image locks), nbd
+//! 1. foundations: [`util`], [`virtio_blk`], [`guest_mem`], [`vu_frontend`] (a vhost-user
+//!    front-end of QEMU's vhost-user-blk export)
+//! 2. [`engine`]: held, file (io_uring, inline, image locks), nbd, relay
 //! 3. [`drive`]: config, stats, queue control, the live switch, lending the rings
 //! 4. [`queue`]: the queue worker
 //! 5. [`vhost`]: the vhost-user protocol handler and listener
@@ -20,5 +21,6 @@ pub mod queue;
 pub mod util;
 pub mod vhost;
 pub mod virtio_blk;
+pub mod vu_frontend;
 
 pub use util::error_chain;

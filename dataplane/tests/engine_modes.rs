@@ -61,7 +61,7 @@ fn iov(buf: &mut [u8]) -> libc::iovec {
 
 fn exercise(path: &Path, io: IoMode) {
     let e = open(path, io);
-    let mut q = e.open_queue(0, 8).unwrap();
+    let mut q = e.open_queue(0, 8, &Default::default()).unwrap();
     let mut data: Vec<u8> = (0..8192u32).map(|i| (i * 7 + 3) as u8).collect();
     let w = [iov(&mut data)];
     let r = run(

@@ -360,6 +360,12 @@ impl Qsd {
     pub fn exited(&mut self) -> bool {
         matches!(self.0.try_wait(), Ok(Some(_)))
     }
+
+    /// SIGKILL: the exports disappear with whatever is in flight.
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 impl Drop for Qsd {

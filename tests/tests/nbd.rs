@@ -305,7 +305,7 @@ fn engine_is_ready_only_after_each_queue_handshake() {
     });
     let engine = NbdEngine::connect(&relay, &qsd.export).unwrap();
     assert!(engine.wait_ready(Duration::from_millis(1)), "no queue yet");
-    let _q = engine.open_queue(0, 32).unwrap();
+    let _q = engine.open_queue(0, 32, &Default::default()).unwrap();
     assert!(
         !engine.wait_ready(Duration::from_millis(300)),
         "ready while the handshake is held back"

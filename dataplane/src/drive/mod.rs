@@ -158,7 +158,7 @@ pub struct Drive {
 
 /// A lend in place (made and ended by [`lend`]; here because the drive holds it).
 struct Lent {
-    client: lend::client::Client,
+    client: crate::vu_frontend::Client,
     socket: std::path::PathBuf,
     peer_uid: Option<u32>,
     rings: Vec<LentRing>,
@@ -376,7 +376,7 @@ impl Drive {
             ctl.start_paused();
             Box::new(NullIo::new()?) as Box<dyn QueueIo>
         } else {
-            engine.open_queue(ctl.index(), depth)?
+            engine.open_queue(ctl.index(), depth, ctl.mem())?
         };
         lock(&self.running).push(ctl.clone());
         self.queues_changed();

@@ -112,6 +112,11 @@ impl QueueCtl {
         self.depth
     }
 
+    /// The guest memory of the queue's session.
+    pub fn mem(&self) -> &MemHandle {
+        &self.mem
+    }
+
     pub(crate) fn pending(&self) -> bool {
         self.pending.load(Ordering::Relaxed)
     }

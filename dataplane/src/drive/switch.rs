@@ -292,7 +292,7 @@ impl Drive {
             v.push((
                 w.index(),
                 w.depth(),
-                engine.open_queue(w.index(), w.depth())?,
+                engine.open_queue(w.index(), w.depth(), w.mem())?,
             ));
         }
         Ok(Contexts(v))
@@ -342,7 +342,7 @@ impl Paused {
                     fresh.push(io);
                     continue;
                 }
-                match engine.open_queue(w.index(), w.depth()) {
+                match engine.open_queue(w.index(), w.depth(), w.mem()) {
                     Ok(io) => fresh.push(io),
                     Err(e) => {
                         drop(a);
@@ -416,7 +416,7 @@ impl Drive {
                 w.resume(None);
                 continue;
             }
-            match engine.open_queue(w.index(), w.depth()) {
+            match engine.open_queue(w.index(), w.depth(), w.mem()) {
                 Ok(io) => w.resume(Some((io, engine.clone()))),
                 Err(e) => {
                     warn!(drive = %self.cfg.name, queue = w.index(), "cannot reopen the engine: {e}");
@@ -444,7 +444,7 @@ impl Drop for Paused {
         };
         if !engine.holds() {
             for w in lock(&d.running).iter() {
-                match engine.open_queue(w.index(), w.depth()) {
+                match engine.open_queue(w.index(), w.depth(), w.mem()) {
                     Ok(io) => w.resume(Some((io, engine.clone()))),
                     Err(e) => {
                         warn!(drive = %d.cfg.name, queue = w.index(), "cannot reopen the engine: {e}");

@@ -60,7 +60,12 @@ impl Engine for HeldEngine {
     fn holds(&self) -> bool {
         true
     }
-    fn open_queue(&self, _queue: usize, _depth: u32) -> Result<Box<dyn QueueIo>, EngineError> {
+    fn open_queue(
+        &self,
+        _queue: usize,
+        _depth: u32,
+        _mem: &crate::guest_mem::MemHandle,
+    ) -> Result<Box<dyn QueueIo>, EngineError> {
         Ok(Box::new(NullIo::new()?))
     }
 }

@@ -15,9 +15,12 @@ use std::path::PathBuf;
 pub use accel_api::status::EngineKind;
 use thiserror::Error;
 
+use crate::guest_mem::MemHandle;
+
 pub mod file;
 pub mod held;
 pub mod nbd;
+pub mod relay;
 
 pub use file::{image_size, FileEngine, FileEngineConfig, IoMode};
 pub use held::HeldEngine;
@@ -63,6 +66,10 @@ pub enum EngineError {
     EventFd(#[source] io::Error),
     #[error("cannot spawn a thread")]
     Spawn(#[source] io::Error),
+    /// The relay's own error (`relay::RelayError`), boxed: this layer's types do not name
+    /// the engines'.
+    #[error("the relay to QEMU's vhost-user-blk export")]
+    Relay(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// One operation for an engine. Offsets and lengths were validated against the disk; the
@@ -152,7 +159,14 @@ pub trait Engine: Send + Sync {
         None
     }
     /// A private context for queue `queue` that keeps up to `depth` operations in flight.
-    fn open_queue(&self, queue: usize, depth: u32) -> Result<Box<dyn QueueIo>, EngineError>;
+    /// `mem` is the guest memory the queue's requests point into (the relay gives it to
+    /// QEMU's export; the other engines take iovecs and need no map).
+    fn open_queue(
+        &self,
+        queue: usize,
+        depth: u32,
+        mem: &MemHandle,
+    ) -> Result<Box<dyn QueueIo>, EngineError>;
     /// Waits (up to `timeout`) until every queue context opened so far can carry requests;
     /// false on timeout. Contexts that set themselves up in the background (the qemu engine
     /// connects from a thread) finish here; a context that failed counts as settled. Never

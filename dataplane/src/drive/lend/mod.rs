@@ -52,9 +52,7 @@ use super::{Drive, Lent, LentRing, QueueCtl, SwitchError};
 use crate::guest_mem::Mem;
 use crate::util::lock;
 
-pub mod client;
-
-use client::{Client, ClientError, Region, RingAddr};
+use crate::vu_frontend::{self as client, Client, ClientError, Region, RingAddr};
 
 /// How long a worker may take to park or to resume from a lend.
 const PARK_TIMEOUT: Duration = Duration::from_secs(5);

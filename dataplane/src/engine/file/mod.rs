@@ -281,7 +281,12 @@ impl Engine for FileEngine {
         self.block_device
     }
 
-    fn open_queue(&self, queue: usize, depth: u32) -> Result<Box<dyn QueueIo>, EngineError> {
+    fn open_queue(
+        &self,
+        queue: usize,
+        depth: u32,
+        _mem: &crate::guest_mem::MemHandle,
+    ) -> Result<Box<dyn QueueIo>, EngineError> {
         if self.io == IoMode::Inline {
             return Ok(Box::new(InlineQueue::new(self.file.clone(), depth)?));
         }

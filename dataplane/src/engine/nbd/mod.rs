@@ -148,7 +148,12 @@ impl Engine for NbdEngine {
         false
     }
 
-    fn open_queue(&self, queue: usize, _depth: u32) -> Result<Box<dyn QueueIo>, EngineError> {
+    fn open_queue(
+        &self,
+        queue: usize,
+        _depth: u32,
+        _mem: &crate::guest_mem::MemHandle,
+    ) -> Result<Box<dyn QueueIo>, EngineError> {
         // The connection is made by a thread of its own, not here: this may run inside a
         // vhost-user message from QEMU's main thread, and QEMU's NBD server cannot accept
         // while that thread waits for our reply. The worker takes the socket over once

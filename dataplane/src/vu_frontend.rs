@@ -1,4 +1,4 @@
-//! A vhost-user front-end of QEMU's `vhost-user-blk` export, just enough to lend it a guest's
+//! A vhost-user front-end of QEMU's `vhost-user-blk` export: enough to lend it a guest's
 //! rings: the session set-up QEMU's own front-end sends, SET_VRING_KICK without a descriptor
 //! (the export stops popping), and GET_VRING_BASE. Every message that changes state asks for
 //! an acknowledgement (REPLY_ACK), so an error is seen at the message that caused it.
@@ -32,6 +32,12 @@ const GET_PROTOCOL_FEATURES: u32 = 15;
 const SET_PROTOCOL_FEATURES: u32 = 16;
 const GET_QUEUE_NUM: u32 = 17;
 const SET_VRING_ENABLE: u32 = 18;
+const SET_BACKEND_REQ_FD: u32 = 21;
+const GET_CONFIG: u32 = 24;
+const SET_CONFIG: u32 = 25;
+const GET_MAX_MEM_SLOTS: u32 = 36;
+const ADD_MEM_REG: u32 = 37;
+const REM_MEM_REG: u32 = 38;
 
 const VERSION: u32 = 0x1;
 const REPLY: u32 = 0x4;
@@ -42,6 +48,43 @@ const NOFD: u64 = 0x100;
 pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
 const PROTOCOL_MQ: u64 = 1 << 0;
 const PROTOCOL_REPLY_ACK: u64 = 1 << 3;
+const PROTOCOL_BACKEND_REQ: u64 = 1 << 5;
+const PROTOCOL_CONFIG: u64 = 1 << 9;
+const PROTOCOL_CONFIGURE_MEM_SLOTS: u64 = 1 << 15;
+
+/// Virtio feature bits a relay negotiates (virtio 1.2 §6 and §5.2.3).
+pub const F_VERSION_1: u64 = 1 << 32;
+pub const F_INDIRECT_DESC: u64 = 1 << 28;
+pub const F_EVENT_IDX: u64 = 1 << 29;
+pub const F_BLK_RO: u64 = 1 << 5;
+pub const F_BLK_SIZE: u64 = 1 << 6;
+pub const F_BLK_FLUSH: u64 = 1 << 9;
+pub const F_BLK_CONFIG_WCE: u64 = 1 << 11;
+pub const F_BLK_MQ: u64 = 1 << 12;
+pub const F_BLK_DISCARD: u64 = 1 << 13;
+pub const F_BLK_WRITE_ZEROES: u64 = 1 << 14;
+
+/// What a relay learns from the export at set-up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportConfig {
+    /// The virtio features agreed.
+    pub features: u64,
+    /// The node's size in bytes (the config space's capacity, in 512-byte sectors).
+    pub capacity: u64,
+    /// The export's logical block size.
+    pub blk_size: u32,
+    /// How many queues the export has.
+    pub num_queues: u16,
+    /// Whether the export refuses writes (VIRTIO_BLK_F_RO).
+    pub read_only: bool,
+    /// Most memory slots the export takes (GET_MAX_MEM_SLOTS).
+    pub max_mem_slots: u64,
+    /// Whether the export has a back-end channel (it sends config changes on it).
+    pub backend_channel: bool,
+}
+
+/// Bytes of the virtio-blk config space a relay reads (up to `write_zeroes_may_unmap`).
+const BLK_CONFIG_LEN: u32 = 60;
 
 /// Most regions one SET_MEM_TABLE carries (without CONFIGURE_MEM_SLOTS).
 pub const MAX_REGIONS: usize = 8;
@@ -184,6 +227,164 @@ impl Client {
             &(wanted | F_PROTOCOL_FEATURES).to_le_bytes(),
             &[],
         )
+    }
+
+    /// Connects as a relay: acceld's own rings, so acceld picks the virtio features
+    /// (VERSION_1, INDIRECT_DESC and EVENT_IDX are required; FLUSH, DISCARD, WRITE_ZEROES,
+    /// CONFIG_WCE, BLK_SIZE, MQ and RO are taken when offered), never LOG_ALL (QEMU's log must
+    /// not reach the export: its log code asserts on any address outside the log). Protocol
+    /// features: REPLY_ACK, CONFIGURE_MEM_SLOTS and CONFIG are required, MQ for more than one
+    /// queue, BACKEND_REQ when offered (`backend` is then sent as the back-end channel: the
+    /// export writes a config change there on a resize and stops serving if it cannot).
+    pub fn connect_relay(
+        path: &Path,
+        peer_uid: Option<u32>,
+        queues: u32,
+        backend: Option<BorrowedFd<'_>>,
+    ) -> Result<(Client, ExportConfig), ClientError> {
+        let mut c = Self::open(path, peer_uid)?;
+        let offered = c.get_u64(GET_FEATURES)?;
+        let need = F_VERSION_1 | F_INDIRECT_DESC | F_EVENT_IDX | F_PROTOCOL_FEATURES;
+        if offered & need != need {
+            return Err(ClientError::Unsupported(format!(
+                "virtio features {:#x}",
+                need & !offered
+            )));
+        }
+        let optional = F_BLK_FLUSH
+            | F_BLK_DISCARD
+            | F_BLK_WRITE_ZEROES
+            | F_BLK_CONFIG_WCE
+            | F_BLK_SIZE
+            | F_BLK_RO
+            | if queues > 1 { F_BLK_MQ } else { 0 };
+        let features = need | (offered & optional);
+        let proto = c.get_u64(GET_PROTOCOL_FEATURES)?;
+        let need_p = PROTOCOL_REPLY_ACK
+            | PROTOCOL_CONFIGURE_MEM_SLOTS
+            | PROTOCOL_CONFIG
+            | if queues > 1 { PROTOCOL_MQ } else { 0 };
+        if proto & need_p != need_p {
+            return Err(ClientError::Unsupported(format!(
+                "protocol features {:#x}",
+                need_p & !proto
+            )));
+        }
+        let with_backend = backend.is_some() && proto & PROTOCOL_BACKEND_REQ != 0;
+        let agreed = need_p
+            | if with_backend {
+                PROTOCOL_BACKEND_REQ
+            } else {
+                0
+            };
+        c.set(SET_PROTOCOL_FEATURES, &agreed.to_le_bytes(), &[])?;
+        c.reply_ack = true;
+        let n = c.get_u64(GET_QUEUE_NUM)?;
+        if n < u64::from(queues) {
+            return Err(ClientError::Unsupported(format!(
+                "{queues} queues (the export has {n})"
+            )));
+        }
+        c.set(SET_OWNER, &[], &[])?;
+        c.set(SET_FEATURES, &features.to_le_bytes(), &[])?;
+        let max_mem_slots = c.get_u64(GET_MAX_MEM_SLOTS)?;
+        if let (true, Some(fd)) = (with_backend, backend) {
+            c.set(SET_BACKEND_REQ_FD, &[], &[fd])?;
+        }
+        let cfg = c.get_config(BLK_CONFIG_LEN)?;
+        let u32_at = |o: usize| u32::from_le_bytes(cfg[o..o + 4].try_into().expect("4 bytes"));
+        let capacity = u64::from_le_bytes(cfg[0..8].try_into().expect("8 bytes"));
+        let blk_size = if features & F_BLK_SIZE != 0 {
+            u32_at(20)
+        } else {
+            512
+        };
+        let num_queues = if features & F_BLK_MQ != 0 {
+            u16::from_le_bytes(cfg[34..36].try_into().expect("2 bytes"))
+        } else {
+            1
+        };
+        let bad = |what: String| ClientError::BadReply {
+            req: GET_CONFIG,
+            what,
+        };
+        if !(512..=65536).contains(&blk_size) || !blk_size.is_power_of_two() {
+            return Err(bad(format!("block size {blk_size}")));
+        }
+        let capacity = capacity
+            .checked_mul(512)
+            .ok_or_else(|| bad(format!("capacity {capacity} sectors")))?;
+        if u32::from(num_queues) < queues {
+            return Err(ClientError::Unsupported(format!(
+                "{queues} queues (the export's config space has {num_queues})"
+            )));
+        }
+        Ok((
+            c,
+            ExportConfig {
+                features,
+                capacity,
+                blk_size,
+                num_queues,
+                read_only: features & F_BLK_RO != 0,
+                max_mem_slots,
+                backend_channel: with_backend,
+            },
+        ))
+    }
+
+    /// The first `len` bytes of the export's config space.
+    pub fn get_config(&mut self, len: u32) -> Result<Vec<u8>, ClientError> {
+        let mut p = Vec::with_capacity(12 + len as usize);
+        p.extend_from_slice(&0u32.to_le_bytes());
+        p.extend_from_slice(&len.to_le_bytes());
+        p.extend_from_slice(&0u32.to_le_bytes());
+        p.resize(12 + len as usize, 0);
+        self.send(GET_CONFIG, 0, &p, &[])?;
+        let b = self.reply(GET_CONFIG, 12 + len as usize)?;
+        let got = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
+        if got != len {
+            return Err(ClientError::BadReply {
+                req: GET_CONFIG,
+                what: format!("{got} config bytes, {len} asked"),
+            });
+        }
+        Ok(b[12..].to_vec())
+    }
+
+    /// Turns the export's write cache on or off (the config space's `writeback` byte: off is
+    /// write-through, every write durable when it completes). The export takes no other
+    /// config write.
+    pub fn set_write_cache(&mut self, on: bool) -> Result<(), ClientError> {
+        let mut p = Vec::with_capacity(13);
+        p.extend_from_slice(&32u32.to_le_bytes());
+        p.extend_from_slice(&1u32.to_le_bytes());
+        p.extend_from_slice(&0u32.to_le_bytes());
+        p.push(u8::from(on));
+        self.set(SET_CONFIG, &p, &[])
+    }
+
+    /// Adds one region to the export's memory table (CONFIGURE_MEM_SLOTS).
+    pub fn add_mem_region(&mut self, r: &Region<'_>) -> Result<(), ClientError> {
+        self.set(ADD_MEM_REG, &mem_reg(r.gpa, r.size, r.offset), &[r.fd])
+    }
+
+    /// Removes the region at `gpa` of `size` bytes (the export unmaps it at once: nothing in
+    /// flight may point into it).
+    pub fn remove_mem_region(&mut self, gpa: u64, size: u64) -> Result<(), ClientError> {
+        self.set(REM_MEM_REG, &mem_reg(gpa, size, 0), &[])
+    }
+
+    /// One round trip that changes nothing: QEMU's export acknowledges a message it failed
+    /// on (a "panic" of libvhost-user sets the session broken yet replies 0) and then closes
+    /// the session, so a reply here proves the messages before it were taken.
+    pub fn ping(&mut self) -> Result<(), ClientError> {
+        self.get_u64(GET_QUEUE_NUM).map(|_| ())
+    }
+
+    /// The session's socket (for watching it for the export's end).
+    pub fn socket(&self) -> BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.sock)
     }
 
     /// The guest's memory (at most [`MAX_REGIONS`] regions).
@@ -392,6 +593,15 @@ impl Probe {
         }
         self.0.reply(GET_FEATURES, 8).map(|_| true)
     }
+}
+
+/// A `VhostUserMemRegMsg`: padding, then the region (user address = guest-physical address).
+fn mem_reg(gpa: u64, size: u64, offset: u64) -> Vec<u8> {
+    let mut p = Vec::with_capacity(40);
+    for v in [0, gpa, size, gpa, offset] {
+        p.extend_from_slice(&v.to_le_bytes());
+    }
+    p
 }
 
 fn state(index: u32, num: u32) -> [u8; 8] {
