@@ -965,7 +965,13 @@ fn print_drive(v: Value) -> Result<(), Fail> {
         d.vm,
         d.drive,
         d.engine.as_str(),
-        if d.lend.lent { " (rings lent)" } else { "" },
+        if d.lend.lent {
+            " (rings lent)"
+        } else if d.io_path == "vhost-user" {
+            " (relayed through QEMU's vhost-user-blk export)"
+        } else {
+            ""
+        },
         if d.reasons.is_empty() {
             String::new()
         } else {
@@ -1020,6 +1026,8 @@ fn status_table(st: &Status) -> String {
                 d.drive.clone(),
                 if d.lend.lent {
                     format!("{}(lent)", d.engine.as_str())
+                } else if d.io_path == "vhost-user" {
+                    format!("{}(relay)", d.engine.as_str())
                 } else {
                     d.engine.as_str().to_string()
                 },

@@ -63,6 +63,12 @@ pub struct DriveSpec {
     /// answers: GET_ID `vhost_user_blk`, errors reported at once). See docs/qemu-engine.md.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub lend: bool,
+    /// While the drive is on the qemu engine, relay its requests through QEMU's own
+    /// vhost-user-blk export of the drive's node (rings of acceld's own in the export: the
+    /// guest still sees acceld's device, counters and error policy) instead of NBD; NBD when
+    /// the export cannot be made. See docs/qemu-engine.md.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub relay: bool,
 }
 
 /// What a failed request does, as QEMU's `werror`/`rerror` (`BlockdevOnError`).
@@ -199,7 +205,8 @@ pub fn check_id(kind: &str, id: &str) -> Result<(), SpecError> {
 
 impl DriveSpec {
     /// Parses `id=D,image=PATH[,node=N][,format=raw][,read-only=on][,serial=S][,queues=N]
-    /// [,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096][,lend=on|off]`.
+    /// [,discard=unmap|ignore][,direct=on|off][,logical-block-size=512|4096][,lend=on|off]
+    /// [,relay=on|off]`.
     pub fn parse(s: &str) -> Result<Self, SpecError> {
         let mut id = None;
         let mut image = None;
@@ -219,6 +226,7 @@ impl DriveSpec {
             writeback: None,
             throttle: None,
             lend: false,
+            relay: false,
         };
         for kv in s.split(',') {
             let (k, v) = kv
@@ -250,6 +258,7 @@ impl DriveSpec {
                 }
                 "direct" => d.direct = on_off(k, v)?,
                 "lend" => d.lend = on_off(k, v)?,
+                "relay" => d.relay = on_off(k, v)?,
                 "writeback" => d.writeback = Some(on_off(k, v)?),
                 "logical-block-size" => {
                     d.logical_block_size = match v {
@@ -278,6 +287,11 @@ impl DriveSpec {
 
     pub fn validate(&self) -> Result<(), SpecError> {
         check_id("drive id", &self.id)?;
+        if self.lend && self.relay {
+            return Err(SpecError(
+                "lend=on and relay=on: QEMU's export takes one front-end, choose one".into(),
+            ));
+        }
         if let Some(n) = &self.node {
             check_id("node name", n)?;
         }
@@ -592,6 +606,12 @@ mod tests {
         assert!(d.read_only);
         assert_eq!(d.serial.as_deref(), Some("S1"));
         assert_eq!(d.format, "raw");
+        assert!(!d.relay);
+        let r = DriveSpec::parse("id=d0,image=/x/d.qcow2,format=qcow2,relay=on").unwrap();
+        assert!(r.relay && !r.lend);
+        // Kept through the JSON the supervisor persists and hands a migration's destination.
+        let back: DriveSpec = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert!(back.relay);
         for (bad, why) in [
             ("image=/x", "missing id"),
             ("id=d0", "missing image"),
@@ -607,6 +627,7 @@ mod tests {
             ),
             ("id=d0,image=/x,format=qcow2;rm", "not a QEMU driver"),
             ("id=d0,image", "not key=value"),
+            ("id=d0,image=/x,lend=on,relay=on", "choose one"),
         ] {
             let e = DriveSpec::parse(bad).unwrap_err();
             assert!(e.0.contains(why), "{bad}: {e}");

@@ -225,6 +225,10 @@ pub struct DriveStatus {
     /// The write cache the guest sees now (config `writeback`).
     pub writeback: bool,
     pub engine: EngineKind,
+    /// The path under the engine: "io_uring" or "inline" (direct), "nbd" or "vhost-user"
+    /// (qemu: over NBD, or relayed through QEMU's vhost-user-blk export), "held".
+    #[serde(default)]
+    pub io_path: String,
     /// Unix time (seconds) of the last engine change.
     pub since: u64,
     /// Codes of the reasons that keep the drive on QEMU's block layer.

@@ -322,6 +322,7 @@ fn qsd_both(o: &CompareOpts, vu: &Path, nbd: &Path, queues: usize) -> Result<Qsd
 struct EngineCell {
     name: String,
     export: Vec<Sample>,
+    relay: Vec<Sample>,
     lent: Vec<Sample>,
     qemu: Vec<Sample>,
     direct: Vec<Sample>,
@@ -347,6 +348,7 @@ fn compare_qemu_engine(o: &CompareOpts) -> Result<()> {
                 let mut c = EngineCell {
                     name: format!("{rw} QD{d} q{q}"),
                     export: vec![],
+                    relay: vec![],
                     lent: vec![],
                     qemu: vec![],
                     direct: vec![],
@@ -369,14 +371,23 @@ fn compare_qemu_engine(o: &CompareOpts) -> Result<()> {
                             c.lent.push(client(o, &sock, &[a.0.id(), qpid], rw, d, q)?);
                             Ok(())
                         };
-                        // QEMU's export and the lent rings run the same code in the same
-                        // process: every other run swaps their order, so neither gains from
-                        // coming first or second.
+                        // The relay: acceld's rings, posted on shadow rings in the same export.
+                        let relay_what = ["--relay-to".to_string(), vu.display().to_string()];
+                        let relay = |c: &mut EngineCell| -> Result<()> {
+                            let a = acceld_on(o, &sock, q, &relay_what)?;
+                            c.relay.push(client(o, &sock, &[a.0.id(), qpid], rw, d, q)?);
+                            Ok(())
+                        };
+                        // QEMU's export, the relay and the lent rings run in the same process:
+                        // every other run turns their order around, so none gains from coming
+                        // first or last.
                         if run % 2 == 1 {
                             lent(&mut c)?;
+                            relay(&mut c)?;
                         }
                         c.export.push(client(o, &vu, &[qpid], rw, d, q)?);
                         if run % 2 == 0 {
+                            relay(&mut c)?;
                             lent(&mut c)?;
                         }
                         let a = acceld_on(o, &sock, q, &what)?;
@@ -391,15 +402,25 @@ fn compare_qemu_engine(o: &CompareOpts) -> Result<()> {
         }
     }
     print_setup(o, "serving side (qemu-storage-daemon, acceld, or both)");
-    println!("| cell | QEMU export IOPS | qemu engine, rings lent IOPS | lent / export | qemu engine over NBD IOPS | NBD / export | direct IOPS | p99 µs export / lent / NBD / direct | IOPS per CPU-s export / lent / NBD / direct | lent / export per CPU |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| cell | QEMU export IOPS | relay IOPS | relay / export | relay / export per CPU | rings lent IOPS | lent / export | over NBD IOPS | NBD / export | direct IOPS | p99 µs export / relay / lent / NBD / direct | IOPS per CPU-s export / relay / lent / NBD / direct |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for c in &cells {
-        let (e, l, q, d) = (med(&c.export), med(&c.lent), med(&c.qemu), med(&c.direct));
+        let (e, r, l, q, d) = (
+            med(&c.export),
+            med(&c.relay),
+            med(&c.lent),
+            med(&c.qemu),
+            med(&c.direct),
+        );
         println!(
-            "| {} | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.2} | {:.0} (±{:.0}%) | {:.2} | {:.0} (±{:.0}%) | {:.0} / {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} / {:.0} | {:.2} |",
+            "| {} | {:.0} (±{:.0}%) | {:.0} (±{:.0}%) | {:.2} | {:.2} | {:.0} (±{:.0}%) | {:.2} | {:.0} (±{:.0}%) | {:.2} | {:.0} (±{:.0}%) | {:.0} / {:.0} / {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} / {:.0} / {:.0} |",
             c.name,
             e.iops,
             e.spread,
+            r.iops,
+            r.spread,
+            r.iops / e.iops.max(1.0),
+            r.per_cpu / e.per_cpu.max(1.0),
             l.iops,
             l.spread,
             l.iops / e.iops.max(1.0),
@@ -409,14 +430,15 @@ fn compare_qemu_engine(o: &CompareOpts) -> Result<()> {
             d.iops,
             d.spread,
             e.p99,
+            r.p99,
             l.p99,
             q.p99,
             d.p99,
             e.per_cpu,
+            r.per_cpu,
             l.per_cpu,
             q.per_cpu,
             d.per_cpu,
-            l.per_cpu / e.per_cpu.max(1.0)
         );
     }
     Ok(())

@@ -297,6 +297,19 @@ fn verify_guest(i: &mut Instance, img: &Path) -> Result<String> {
 /// QEMU can inactivate the node, continues; the destination takes the same limits.
 #[test]
 fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
+    throttled_migration("mig-thr", "")
+}
+
+/// The same through the relay (`relay=on`): the source's requests go through QEMU's
+/// vhost-user-blk export of the throttle filter while acceld logs the guest pages they wrote
+/// (the export never sees QEMU's dirty log); at pre-switchover that export goes too, and the
+/// destination relays through its own.
+#[test]
+fn relayed_throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
+    throttled_migration("mig-relay", ",relay=on")
+}
+
+fn throttled_migration(tag: &str, spec_extra: &str) -> Result<()> {
     let _one = one_at_a_time();
     let Hosts {
         dir,
@@ -304,7 +317,9 @@ fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
         drive,
         a,
         b,
-    } = two_hosts("mig-thr")?;
+    } = two_hosts(tag)?;
+    let drive = format!("{drive}{spec_extra}");
+    let relay = !spec_extra.is_empty();
     // The guest turns its write cache off (CONFIG_WCE): runtime state the destination must
     // show it too, since QEMU takes the config from the destination backend.
     let mut src = writer_on_with(
@@ -322,6 +337,8 @@ fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
     a.ctl_ok(&["throttle", "vm1", "d0", "--iops-total", "3000"])?;
     a.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
     src.guest.wait_for("progress=", Duration::from_secs(60))?;
+    let path = if relay { "vhost-user" } else { "nbd" };
+    assert_eq!(a.drive("vm1", "d0")?["io_path"], path);
 
     let (text, mut dst) = accelctl_migrate(
         &a,
@@ -342,6 +359,7 @@ fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
     // The source quit; the destination serves the drive on its qemu engine with the limits.
     src.guest.wait_exit(Duration::from_secs(30))?;
     b.wait_engine("vm1", "d0", "qemu", Duration::from_secs(10))?;
+    assert_eq!(b.drive("vm1", "d0")?["io_path"], path);
     assert_eq!(status_of(&dst)?, "running");
     assert!(
         dst.side
@@ -355,7 +373,7 @@ fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
     b.wait_engine("vm1", "d0", "direct", Duration::from_secs(10))?;
     assert!(holds_lock(b.pid(), &img));
     let iters = verify_guest(&mut dst, &img)?;
-    println!("throttled drive migrated; guest {iters} verified iterations, 0 errors");
+    println!("throttled drive ({path}) migrated; guest {iters} verified iterations, 0 errors");
     Ok(())
 }
 

@@ -77,6 +77,9 @@ pub struct GraphRecord {
     /// The socket of QEMU's vhost-user-blk export the rings are lent to (`lend=on`, qemu
     /// engine), while it exists.
     pub lend_socket: Option<std::path::PathBuf>,
+    /// The socket of QEMU's vhost-user-blk export the requests are relayed through
+    /// (`relay=on`, qemu engine), while it exists.
+    pub relay_socket: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Default)]
@@ -237,8 +240,9 @@ impl ManagedDrive {
 
     /// The drive is served by the qemu engine from now on, over `nbd`, with `throttle` in
     /// QEMU.
-    pub fn commit_qemu(&self, nbd: Arc<NbdStats>, throttle: Option<ThrottleLimits>) {
-        self.commit(EngineKind::Qemu, Some(nbd), throttle, None);
+    /// `nbd`: the NBD engine's counters (none on the relay).
+    pub fn commit_qemu(&self, nbd: Option<Arc<NbdStats>>, throttle: Option<ThrottleLimits>) {
+        self.commit(EngineKind::Qemu, nbd, throttle, None);
     }
 
     /// A switch's outcome in one step: the engine and what goes with it are applied with

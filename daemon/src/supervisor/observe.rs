@@ -10,7 +10,7 @@ use qmp_client::Qmp;
 use serde_json::Value;
 
 use super::drive_state::ManagedDrive;
-use super::qemu_graph::{export_id, filter_node, lend_export_id};
+use super::qemu_graph::{export_id, filter_node, lend_export_id, relay_export_id};
 use super::{qmp_run, SupError};
 use accel_dataplane::util::lock;
 
@@ -119,7 +119,10 @@ pub(super) fn view(d: &ManagedDrive, snap: &QemuSnapshot) -> DriveView {
     let ours = snap
         .exports
         .iter()
-        .filter(|e| (e.id == export_id(id) || e.id == lend_export_id(id)) && e.node_name == node)
+        .filter(|e| {
+            (e.id == export_id(id) || e.id == lend_export_id(id) || e.id == relay_export_id(id))
+                && e.node_name == node
+        })
         .count();
     for _ in 0..ours {
         if let Some(i) = v

@@ -33,6 +33,15 @@ pub(super) fn lend_export_id(drive: &str) -> String {
 pub(super) fn lend_socket(nbd_socket: &Path, drive: &str) -> std::path::PathBuf {
     nbd_socket.with_file_name(format!("lend-{drive}.sock"))
 }
+/// QEMU's vhost-user-blk export of the drive's node that acceld relays requests through
+/// (`relay=on`), with rings of acceld's own.
+pub(super) fn relay_export_id(drive: &str) -> String {
+    format!("accel-relay-{drive}")
+}
+/// Where that export listens: in the VM's run directory, as the lend export.
+pub(super) fn relay_socket(nbd_socket: &Path, drive: &str) -> std::path::PathBuf {
+    nbd_socket.with_file_name(format!("relay-{drive}.sock"))
+}
 pub(super) fn filter_node(drive: &str) -> String {
     format!("accel-throttle-{drive}")
 }
@@ -218,7 +227,56 @@ impl Supervisor {
         if d.spec.lend {
             self.lend_up(d, qmp, nbd_socket, &top).await;
         }
+        if d.spec.relay {
+            self.relay_up(d, qmp, nbd_socket, &top).await;
+        }
         Ok(export_id(id))
+    }
+
+    /// QEMU's vhost-user-blk export of `top` (the node under acceld's NBD export) for the
+    /// relay, in acceld's iothread and fixed there (as the lend export: QEMU's main loop may
+    /// wait for acceld while acceld waits for the export). Found again after an acceld
+    /// restart (a new session is accepted only once the last one drained). Without it the
+    /// drive is served over NBD, and the failure is logged.
+    async fn relay_up(&self, d: &ManagedDrive, qmp: &Qmp, nbd_socket: &Path, top: &str) {
+        let id = d.id();
+        let sock = relay_socket(nbd_socket, id);
+        let r = match has_export(qmp, &relay_export_id(id)).await {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                let _ = std::fs::remove_file(&sock);
+                let add = BlockExportAdd::vhost_user_blk(
+                    &relay_export_id(id),
+                    top,
+                    &sock.to_string_lossy(),
+                    !d.spec.read_only,
+                    d.drive.config().num_queues,
+                )
+                .logical_block_size(d.drive.config().logical_block_size)
+                .in_iothread(&self.cfg.iothread)
+                .fixed_iothread();
+                qmp_run(qmp, &add).await.map(drop)
+            }
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok(()) => lock(&d.graph).relay_socket = Some(sock),
+            Err(e) => {
+                if let Some(n) = d.log.admit() {
+                    warn!(drive = %id, "no vhost-user-blk export to relay through; the qemu engine serves over NBD: {}{}", e.chain(), accel_dataplane::util::suppressed(n));
+                }
+            }
+        }
+    }
+
+    /// Removes QEMU's vhost-user-blk export the drive's requests were relayed through (its
+    /// session ends with it; the drive is drained or on another engine by then).
+    pub(super) async fn relay_down(&self, d: &ManagedDrive, qmp: &Qmp) -> Result<(), SupError> {
+        remove_export(qmp, &relay_export_id(d.id())).await?;
+        if let Some(sock) = lock(&d.graph).relay_socket.take() {
+            let _ = std::fs::remove_file(sock);
+        }
+        Ok(())
     }
 
     /// QEMU's vhost-user-blk export of `top` (the node under acceld's NBD export) in acceld's
@@ -335,6 +393,7 @@ impl Supervisor {
     /// Removes acceld's export, throttle filter and throttle group of the drive, if present.
     pub(super) async fn qemu_down(&self, d: &ManagedDrive, qmp: &Qmp) -> Result<(), SupError> {
         self.lend_down(d, qmp).await?;
+        self.relay_down(d, qmp).await?;
         let id = d.id();
         let export = export_id(id);
         remove_export(qmp, &export).await?;

@@ -334,6 +334,7 @@ impl Supervisor {
                 group_external: false,
                 applied_group: None,
                 lend_socket: None,
+                relay_socket: None,
             },
         )))
     }

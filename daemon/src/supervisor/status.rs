@@ -107,6 +107,16 @@ pub(super) fn drive_status(vm: &Vm, d: &ManagedDrive) -> DriveStatus {
         image: d.image().path,
         format: d.spec.format.clone(),
         engine,
+        // Mid-switch the data plane may have its next engine before the switch commits:
+        // the path shown is the engine's shown, or none.
+        io_path: {
+            let e = d.drive.engine();
+            if e.kind() == engine {
+                e.io_path().to_string()
+            } else {
+                String::new()
+            }
+        },
         since,
         reasons,
         reason_sentences,

@@ -20,6 +20,7 @@ use super::qemu_graph::{lift_limits, set_limits};
 use super::vm::Vm;
 use super::{SupError, Supervisor};
 use accel_dataplane::engine::nbd::NbdEngine;
+use accel_dataplane::engine::relay::RelayEngine;
 use accel_dataplane::engine::{Engine, FileEngine, FileEngineConfig, HeldEngine};
 use accel_dataplane::util::lock;
 
@@ -383,9 +384,14 @@ impl Supervisor {
             .qemu_up(d, qmp, &sock, throttle.as_ref(), after_incoming)
             .await?;
         let t_up = t0.elapsed();
+        let queues = usize::from(d.drive.config().num_queues);
+        if let Some(engine) = self.relay_engine(vm, d, qmp, queues).await {
+            debug!(drive = %d.spec.id, before_pause = share_write_first, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, export_us = (t_up - t_nodes).as_micros() as u64, connect_us = (t0.elapsed() - t_up).as_micros() as u64, "bring-up steps (qemu, relay)");
+            d.commit_qemu(None, throttle);
+            return Ok(engine);
+        }
         // One connection per queue now, so the queues resume on connections that are up
         // (before the pause, when share_write_first).
-        let queues = usize::from(d.drive.config().num_queues);
         let engine = {
             let (s, x) = (sock.clone(), export.clone());
             offload::blocking(move || NbdEngine::connect_ahead(&s, &x, queues)).await?
@@ -397,8 +403,39 @@ impl Supervisor {
                 engine.info().size
             )));
         }
-        d.commit_qemu(engine.stats(), throttle);
+        d.commit_qemu(Some(engine.stats()), throttle);
         Ok(Arc::new(engine))
+    }
+
+    /// The relay on QEMU's vhost-user-blk export of the drive (`relay=on`, made by
+    /// `qemu_up`), or None (logged) when there is no export or its session cannot be set up:
+    /// the drive then goes over NBD, and the export is removed.
+    async fn relay_engine(
+        &self,
+        vm: &Arc<Vm>,
+        d: &Arc<ManagedDrive>,
+        qmp: &Qmp,
+        queues: usize,
+    ) -> Option<Arc<dyn Engine>> {
+        let sock = lock(&d.graph).relay_socket.clone()?;
+        // The export's server must be the VM's QEMU (its user), as for its monitor.
+        let uid = vm.owner.map(|o| o.uid);
+        let r = offload::blocking(move || RelayEngine::connect(&sock, uid, queues)).await;
+        let why = match r {
+            Ok(r) if r.config().capacity >= d.drive.capacity() => return Some(Arc::new(r)),
+            Ok(r) => format!(
+                "the export holds {} bytes, less than the disk the guest sees",
+                r.config().capacity
+            ),
+            Err(e) => accel_dataplane::util::error_chain(&e),
+        };
+        if let Some(n) = d.log.admit() {
+            warn!(vm = %vm.name, drive = %d.spec.id, "cannot relay through QEMU's vhost-user-blk export, serving over NBD: {why}{}", accel_dataplane::util::suppressed(n));
+        }
+        if let Err(e) = self.relay_down(d, qmp).await {
+            warn!(drive = %d.spec.id, "cannot remove the relay's export: {}", e.chain());
+        }
+        None
     }
 
     /// After a switch to direct prepared before the pause: QEMU's export (idle, acceld's
