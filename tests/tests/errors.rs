@@ -12,8 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use accel_dataplane::drive::ErrorPolicy;
+use accel_dataplane::engine::relay::RelayEngine;
 use accel_dataplane::engine::IoMode;
-use accel_tests::harness::{ServerOptions, TestServer};
+use accel_tests::harness::{Qsd, QsdOptions, ServerOptions, TestServer};
 use accel_tests::hostile_nbd::{Behaviour, HostileNbd};
 use accel_tests::{header, pattern, BlkFrontend, Buf, FrontendOptions, S_IOERR, S_OK, T_IN, T_OUT};
 
@@ -192,6 +193,65 @@ fn out_of_space_holds_writes_until_space_is_freed() {
         assert_eq!(c.failed_wr_operations, 0);
         assert_eq!(c.wr_operations, CHUNKS as u64);
     }
+}
+
+/// The relay: QEMU's vhost-user-blk export answers IOERR for every failure, ENOSPC too; the
+/// image's file system tells the two apart, so `werror=enospc` holds the writes exactly as on
+/// the direct engine, and they complete once space comes back.
+#[test]
+fn the_relay_holds_writes_the_export_failed_for_lack_of_space() {
+    let fs = Tmpfs::mount("1m");
+    let size = (CHUNKS * CHUNK) as u64;
+    let dir = tempfile::Builder::new()
+        .prefix("d")
+        .tempdir_in(&fs.dir)
+        .unwrap();
+    let image = dir.path().join("disk.raw");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(size)
+        .unwrap();
+    let export = dir.path().join("export.sock");
+    let _qsd = Qsd::start(&image, &export, &QsdOptions::default()).expect("qemu-storage-daemon");
+    let relay = Arc::new(RelayEngine::connect(&export, None, 1).unwrap());
+    relay.set_image(image.clone());
+    let s = TestServer::serve_engine(
+        dir,
+        image,
+        relay.clone(),
+        size,
+        &ServerOptions {
+            size,
+            ..Default::default()
+        },
+    );
+    let stats = &s.drive.stats;
+    let mut fe = connect(&s);
+    let done = write_all(&mut fe, Duration::from_secs(1));
+    println!(
+        "relay: {} of {CHUNKS} writes completed before the disk filled",
+        done.len()
+    );
+    assert!(
+        done.iter().all(|&(_, st)| st == S_OK),
+        "an error reached the guest"
+    );
+    assert!(done.len() < CHUNKS, "the file system did not fill");
+    assert!(
+        stats.held_requests.load(Ordering::Relaxed) > 0,
+        "nothing held"
+    );
+    assert_eq!(stats.io_errors.load(Ordering::Relaxed), 0);
+    fs.resize("16m");
+    let mut used = Vec::new();
+    while done.len() + used.len() < CHUNKS {
+        fe.wait_used(0, &mut used, Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("writes still held after the resize: {e}"));
+    }
+    assert_eq!(stats.held_requests.load(Ordering::Relaxed), 0);
+    assert_eq!(stats.io_errors.load(Ordering::Relaxed), 0);
+    verify(&mut fe);
+    assert!(relay.failure().is_none());
 }
 
 #[test]

@@ -422,7 +422,12 @@ impl Supervisor {
         let uid = vm.owner.map(|o| o.uid);
         let r = offload::blocking(move || RelayEngine::connect(&sock, uid, queues)).await;
         let why = match r {
-            Ok(r) if r.config().capacity >= d.drive.capacity() => return Some(Arc::new(r)),
+            Ok(r) if r.config().capacity >= d.drive.capacity() => {
+                // The registered image (the permit names it; a path QEMU pivoted to is
+                // not asked): its file system tells ENOSPC from EIO.
+                r.set_image(d.spec.image.clone());
+                return Some(Arc::new(r));
+            }
             Ok(r) => format!(
                 "the export holds {} bytes, less than the disk the guest sees",
                 r.config().capacity

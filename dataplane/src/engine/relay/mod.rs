@@ -135,6 +135,7 @@ impl RelayEngine {
             ended: std::sync::Condvar::new(),
             stats: RelayStats::default(),
             stop: EventFd::new(EFD_NONBLOCK).map_err(RelayError::Fds)?,
+            image: std::sync::OnceLock::new(),
         });
         let s2 = s.clone();
         let thread = std::thread::Builder::new()
@@ -146,6 +147,13 @@ impl RelayEngine {
             s,
             thread: Mutex::new(Some(thread)),
         })
+    }
+
+    /// The image file the export's node writes to (a qcow2's or a raw file's): a write the
+    /// export fails while its file system is full then fails with ENOSPC, so `werror=enospc`
+    /// holds it as on the other engines. Set once; later calls change nothing.
+    pub fn set_image(&self, path: PathBuf) {
+        let _ = self.s.image.set(path);
     }
 
     /// What the export said of itself at set-up.

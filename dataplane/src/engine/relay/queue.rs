@@ -310,6 +310,9 @@ impl RelayQueue {
         let res = match status {
             S_OK => b.ok,
             S_UNSUPP if b.typ == T_DISCARD => -libc::EOPNOTSUPP,
+            _ if b.typ != T_IN && b.typ != T_DISCARD && self.s.out_of_space(b.ok.max(0) as u64) => {
+                -libc::ENOSPC
+            }
             _ => -libc::EIO,
         };
         let st = self.st();

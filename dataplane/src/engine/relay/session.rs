@@ -61,6 +61,9 @@ pub(crate) struct Session {
     pub(crate) stats: RelayStats,
     /// Stops the session thread.
     pub(crate) stop: EventFd,
+    /// The image whose file system tells an out-of-space failure apart (see
+    /// [`Session::out_of_space`]).
+    pub(crate) image: std::sync::OnceLock<PathBuf>,
 }
 
 impl Session {
@@ -141,6 +144,27 @@ impl Session {
         c.ping().map_err(fail)?;
         ex.mem = Some(mem.clone());
         Ok(())
+    }
+
+    /// Whether a write the export failed failed for lack of space. QEMU's export answers
+    /// IOERR for every error (no errno reaches a vhost-user front-end), so the image's file
+    /// system is asked: less free space than twice the request and 2 MiB (a qcow2 cluster
+    /// and its tables) is taken as ENOSPC. False without an image.
+    pub(crate) fn out_of_space(&self, len: u64) -> bool {
+        let Some(path) = self.image.get() else {
+            return false;
+        };
+        let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+            return false;
+        };
+        // SAFETY: statvfs is plain old data; all-zero is a valid value to be overwritten.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: a NUL-terminated path and a valid out pointer; the result is checked.
+        if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+            return false;
+        }
+        let free = st.f_bavail.saturating_mul(st.f_frsize);
+        free < (2 * len).max(2 << 20)
     }
 
     /// Sets the export's write cache (write-through when off) if it differs.
