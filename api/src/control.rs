@@ -65,9 +65,10 @@ pub struct DriveSpec {
     pub lend: bool,
     /// While the drive is on the qemu engine, relay its requests through QEMU's own
     /// vhost-user-blk export of the drive's node (rings of acceld's own in the export: the
-    /// guest still sees acceld's device, counters and error policy) instead of NBD; NBD when
-    /// the export cannot be made. See docs/qemu-engine.md.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// guest still sees acceld's device, counters and error policy); NBD when the export
+    /// cannot be made. On by default; `relay=off` (or `nbd=on`) serves the qemu engine over
+    /// NBD, and `lend=on` lends the rings instead. See docs/qemu-engine.md.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
     pub relay: bool,
 }
 
@@ -161,6 +162,10 @@ impl std::str::FromStr for DiscardMode {
         }
     }
 }
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
 fn default_true() -> bool {
     true
 }
@@ -226,8 +231,9 @@ impl DriveSpec {
             writeback: None,
             throttle: None,
             lend: false,
-            relay: false,
+            relay: true,
         };
+        let mut relay_asked = false;
         for kv in s.split(',') {
             let (k, v) = kv
                 .split_once('=')
@@ -258,7 +264,11 @@ impl DriveSpec {
                 }
                 "direct" => d.direct = on_off(k, v)?,
                 "lend" => d.lend = on_off(k, v)?,
-                "relay" => d.relay = on_off(k, v)?,
+                "relay" => {
+                    d.relay = on_off(k, v)?;
+                    relay_asked = d.relay;
+                }
+                "nbd" => d.relay = !on_off(k, v)?,
                 "writeback" => d.writeback = Some(on_off(k, v)?),
                 "logical-block-size" => {
                     d.logical_block_size = match v {
@@ -276,8 +286,19 @@ impl DriveSpec {
         }
         d.id = id.ok_or_else(|| SpecError("missing id=".into()))?;
         d.image = image.ok_or_else(|| SpecError("missing image=".into()))?;
+        if d.lend && relay_asked {
+            return Err(SpecError(
+                "lend=on and relay=on: QEMU's export takes one front-end, choose one".into(),
+            ));
+        }
         d.validate()?;
         Ok(d)
+    }
+
+    /// Whether the qemu engine relays through QEMU's vhost-user-blk export (`relay`, unless
+    /// the rings are lent).
+    pub fn relays(&self) -> bool {
+        self.relay && !self.lend
     }
 
     /// QEMU's node-name of the drive's image.
@@ -287,11 +308,7 @@ impl DriveSpec {
 
     pub fn validate(&self) -> Result<(), SpecError> {
         check_id("drive id", &self.id)?;
-        if self.lend && self.relay {
-            return Err(SpecError(
-                "lend=on and relay=on: QEMU's export takes one front-end, choose one".into(),
-            ));
-        }
+
         if let Some(n) = &self.node {
             check_id("node name", n)?;
         }
@@ -606,12 +623,25 @@ mod tests {
         assert!(d.read_only);
         assert_eq!(d.serial.as_deref(), Some("S1"));
         assert_eq!(d.format, "raw");
-        assert!(!d.relay);
-        let r = DriveSpec::parse("id=d0,image=/x/d.qcow2,format=qcow2,relay=on").unwrap();
-        assert!(r.relay && !r.lend);
-        // Kept through the JSON the supervisor persists and hands a migration's destination.
-        let back: DriveSpec = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
-        assert!(back.relay);
+        assert!(d.relays(), "the relay is the qemu engine's default");
+        for (spec, relays) in [
+            ("id=d0,image=/x/d.qcow2,format=qcow2,relay=on", true),
+            ("id=d0,image=/x/d.qcow2,relay=off", false),
+            ("id=d0,image=/x/d.qcow2,nbd=on", false),
+            ("id=d0,image=/x/d.qcow2,nbd=off", true),
+            ("id=d0,image=/x/d.qcow2,lend=on", false),
+        ] {
+            let r = DriveSpec::parse(spec).unwrap();
+            assert_eq!(r.relays(), relays, "{spec}");
+            // Kept through the JSON the supervisor persists and hands a migration's
+            // destination.
+            let back: DriveSpec =
+                serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+            assert_eq!(back.relays(), relays, "{spec}");
+        }
+        // A spec persisted before the relay existed relays.
+        let old: DriveSpec = serde_json::from_str(r#"{"id":"d0","image":"/x"}"#).unwrap();
+        assert!(old.relays());
         for (bad, why) in [
             ("image=/x", "missing id"),
             ("id=d0", "missing image"),

@@ -407,6 +407,13 @@ impl FakeQemu {
             "block-export-add" => {
                 let id = s("id");
                 let node = s("node-name");
+                if a["type"] != "nbd" {
+                    // No vhost-user-blk export here: a relay falls back to NBD.
+                    return Err(generic(format!(
+                        "the fake QEMU has no {} export",
+                        a["type"].as_str().unwrap_or("?")
+                    )));
+                }
                 if !m.nodes.contains_key(&node) {
                     return Err(generic(format!("Cannot find node '{node}'")));
                 }

@@ -227,7 +227,7 @@ impl Supervisor {
         if d.spec.lend {
             self.lend_up(d, qmp, nbd_socket, &top).await;
         }
-        if d.spec.relay {
+        if d.spec.relays() {
             self.relay_up(d, qmp, nbd_socket, &top).await;
         }
         Ok(export_id(id))
