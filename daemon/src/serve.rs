@@ -1,4 +1,6 @@
-//! `acceld serve`: one image, one vhost-user-blk socket, the direct (io_uring) engine.
+//! `acceld serve`: one disk on one vhost-user-blk socket: an image on the direct engine, or
+//! the qemu engine over an NBD export (`--nbd-socket`) or through QEMU's vhost-user-blk export
+//! (`--relay-to`).
 
 use std::path::PathBuf;
 use std::sync::Arc;

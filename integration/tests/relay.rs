@@ -1,4 +1,4 @@
-//! The relay (the qemu engine's default path) with real QEMU 10 (TCG): a drive on the qemu engine is relayed through the VM's
+//! The relay (`relay=on`) with real QEMU 10 (TCG): a drive on the qemu engine is relayed through the VM's
 //! own vhost-user-blk export of its node, acceld posting every request on a ring of its own
 //! in that export. Under a guest doing verified random writes: a throttle (the relay goes
 //! through QEMU's throttle filter), a VM stop and cont, the way back to direct, and a qcow2
@@ -98,7 +98,7 @@ fn a_relayed_drive_under_guest_writes_through_throttle_stop_cont_and_back_to_dir
     acc.register(
         "vm1",
         &qmp,
-        &format!("id=d0,image={},queues=2", img.display()),
+        &format!("id=d0,image={},queues=2,relay=on", img.display()),
         &["--cont"],
     )?;
     let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 16, 64))?;
@@ -185,7 +185,10 @@ fn a_relayed_qcow2_drive_survives_acceld_sigkills() -> Result<()> {
     acc.register(
         "vm1",
         &qmp,
-        &format!("id=d0,image={},format=qcow2,queues=2", img.display()),
+        &format!(
+            "id=d0,image={},format=qcow2,queues=2,relay=on",
+            img.display()
+        ),
         &["--cont"],
     )?;
     let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 8, 64))?;

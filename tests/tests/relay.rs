@@ -160,7 +160,7 @@ fn the_guest_reads_acceld_s_serial_and_acceld_s_counters_grow() {
 /// Discards and write-zeroes longer than the export takes in one segment (a guest of QEMU's
 /// virtio-blk device may send up to 4 GiB) are split.
 #[test]
-fn write_zeroes_and_discard_of_64_mib_reach_the_image_in_parts() {
+fn write_zeroes_and_discard_of_40_mib_reach_the_image_in_parts() {
     const BIG: u64 = 64 << 20;
     let dir = tempfile::Builder::new()
         .prefix("accel-relay")
@@ -227,4 +227,232 @@ fn an_export_that_goes_away_fails_requests_and_hangs_nothing() {
     assert_eq!(fe.request(0, T_OUT, 0, &[0u8; 4096], 0).unwrap().0, S_IOERR);
     // GET_ID is acceld's, and still answered.
     assert_eq!(fe.request(0, T_GET_ID, 0, &[], 20).unwrap().0, S_OK);
+}
+
+/// How a hostile export answers the first request it is kicked for.
+#[derive(Clone, Copy, Debug)]
+enum Lie {
+    /// A used id it was never given.
+    UnknownId,
+    /// The right head, twice.
+    Twice,
+    /// A used index 100 ahead of what was posted.
+    Runaway,
+}
+
+/// A vhost-user "export" that negotiates what the relay needs, maps acceld's shadow region
+/// and, at the first kick, writes `lie` into the used ring and calls.
+fn hostile_export(path: &std::path::Path, lie: Lie) -> std::thread::JoinHandle<()> {
+    use accel_dataplane::engine::relay::shadow::{
+        AVAIL_OFF, SLOT_LEN, SLOT_OFF, SLOT_STATUS, USED_OFF,
+    };
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let l = std::os::unix::net::UnixListener::bind(path).unwrap();
+    std::thread::spawn(move || {
+        let Ok((mut s, _)) = l.accept() else { return };
+        let mut shadow: Option<(*mut u8, usize)> = None;
+        let mut call: Option<std::os::fd::OwnedFd> = None;
+        loop {
+            // One message: its header (with any descriptors sent along), then its payload.
+            let mut h = [0u8; 12];
+            let Ok((n, fds)) = accel_api::fdpass::recv(s.as_raw_fd(), &mut h) else {
+                return;
+            };
+            if n < 12 && std::io::Read::read_exact(&mut s, &mut h[n..]).is_err() {
+                return;
+            }
+            let mut msg = h.to_vec();
+            msg.resize(12 + pending_size(&h), 0);
+            if std::io::Read::read_exact(&mut s, &mut msg[12..]).is_err() {
+                return;
+            }
+            let pending = &msg;
+            for fd in fds {
+                let req = u32::from_le_bytes(pending[0..4].try_into().unwrap());
+                match req {
+                    // ADD_MEM_REG: the shadow region is the one at 1 << 62.
+                    37 => {
+                        let gpa = u64::from_le_bytes(pending[20..28].try_into().unwrap());
+                        let size = u64::from_le_bytes(pending[28..36].try_into().unwrap());
+                        if gpa == 1 << 62 {
+                            // SAFETY: a shared mapping of the memfd acceld sent, of its
+                            // size; the test process only reads and writes the rings.
+                            let p = unsafe {
+                                libc::mmap(
+                                    std::ptr::null_mut(),
+                                    size as usize,
+                                    libc::PROT_READ | libc::PROT_WRITE,
+                                    libc::MAP_SHARED,
+                                    fd.as_raw_fd(),
+                                    0,
+                                )
+                            };
+                            assert_ne!(p, libc::MAP_FAILED);
+                            shadow = Some((p.cast(), size as usize));
+                        }
+                    }
+                    13 => call = Some(fd),
+                    12 => {
+                        let (base, _) = shadow.expect("the shadow region came first");
+                        let call = call.take().expect("the call eventfd came first");
+                        let kick = fd;
+                        let base = base as usize;
+                        std::thread::spawn(move || {
+                            let base = base as *mut u8;
+                            let mut b = [0u8; 8];
+                            let mut pfd = libc::pollfd {
+                                fd: kick.as_raw_fd(),
+                                events: libc::POLLIN,
+                                revents: 0,
+                            };
+                            // SAFETY: one valid pollfd; wait for acceld's first kick (the
+                            // eventfd is non-blocking).
+                            unsafe { libc::poll(&mut pfd, 1, 10_000) };
+                            // SAFETY: reading the kick eventfd acceld gave.
+                            let _ =
+                                unsafe { libc::read(kick.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
+                            // SAFETY: inside queue 0's part of the mapped region.
+                            let head = unsafe {
+                                (base.wrapping_add(AVAIL_OFF + 4) as *const u16).read_volatile()
+                            };
+                            let put = |slot: usize, id: u32| {
+                                // SAFETY: the used ring's entry `slot` of queue 0.
+                                unsafe {
+                                    (base.wrapping_add(USED_OFF + 4 + 8 * slot) as *mut u32)
+                                        .write_volatile(id)
+                                };
+                            };
+                            let set_idx = |idx: u16| {
+                                // SAFETY: used->idx of queue 0.
+                                unsafe {
+                                    (base.wrapping_add(USED_OFF + 2) as *mut u16)
+                                        .write_volatile(idx)
+                                };
+                                let one = 1u64.to_ne_bytes();
+                                // SAFETY: writing the call eventfd acceld gave.
+                                let _ = unsafe {
+                                    libc::write(call.as_raw_fd(), one.as_ptr().cast(), 8)
+                                };
+                            };
+                            match lie {
+                                Lie::UnknownId => {
+                                    put(0, 4000);
+                                    set_idx(1);
+                                }
+                                Lie::Twice => {
+                                    // The head, done (status 0, as acceld reads it) ...
+                                    let st = base.wrapping_add(
+                                        SLOT_OFF + SLOT_LEN * usize::from(head) + SLOT_STATUS,
+                                    );
+                                    // SAFETY: the head's status byte in queue 0's slots.
+                                    unsafe { st.write_volatile(0) };
+                                    put(0, u32::from(head));
+                                    set_idx(1);
+                                    // ... and once acceld read it (its used_event moved to 1),
+                                    // the same head again.
+                                    let used_event =
+                                        base.wrapping_add(AVAIL_OFF + 4 + 2 * 1024) as *const u16;
+                                    let t0 = std::time::Instant::now();
+                                    // SAFETY: avail->used_event of queue 0.
+                                    while unsafe { used_event.read_volatile() } != 1 {
+                                        assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+                                        std::hint::spin_loop();
+                                    }
+                                    put(1, u32::from(head));
+                                    set_idx(2);
+                                }
+                                Lie::Runaway => set_idx(100),
+                            }
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            let req = u32::from_le_bytes(msg[0..4].try_into().unwrap());
+            let flags = u32::from_le_bytes(msg[4..8].try_into().unwrap());
+            let reply = |s: &mut std::os::unix::net::UnixStream, body: &[u8]| {
+                let mut m = Vec::new();
+                m.extend_from_slice(&req.to_le_bytes());
+                m.extend_from_slice(&(0x1u32 | 0x4).to_le_bytes());
+                m.extend_from_slice(&(body.len() as u32).to_le_bytes());
+                m.extend_from_slice(body);
+                let _ = s.write_all(&m);
+            };
+            let features: u64 = (1 << 32) | (1 << 28) | (1 << 29) | (1 << 30) | (1 << 9);
+            match req {
+                1 => reply(&mut s, &features.to_le_bytes()),
+                // REPLY_ACK, CONFIG, CONFIGURE_MEM_SLOTS.
+                15 => reply(&mut s, &((1u64 << 3) | (1 << 9) | (1 << 15)).to_le_bytes()),
+                17 => reply(&mut s, &1u64.to_le_bytes()),
+                36 => reply(&mut s, &509u64.to_le_bytes()),
+                24 => {
+                    let mut b = msg[12..].to_vec();
+                    b[12..20].copy_from_slice(&(SIZE / 512).to_le_bytes());
+                    reply(&mut s, &b)
+                }
+                _ if flags & 0x8 != 0 => reply(&mut s, &0u64.to_le_bytes()),
+                _ => {}
+            }
+        }
+    })
+}
+
+fn pending_size(p: &[u8]) -> usize {
+    if p.len() < 12 {
+        return 0;
+    }
+    u32::from_le_bytes(p[8..12].try_into().unwrap()) as usize
+}
+
+/// An export that lies in its used ring (an id it never got, a head completed twice, an index
+/// past what was posted) ends its session: the request fails (IOERR), later ones fail at once,
+/// nothing hangs or panics, and GET_ID (acceld's) still answers.
+#[test]
+fn an_export_that_lies_in_its_used_ring_ends_the_session() {
+    for lie in [Lie::UnknownId, Lie::Twice, Lie::Runaway] {
+        let dir = tempfile::Builder::new()
+            .prefix("accel-relay-lie")
+            .tempdir_in(std::env::var_os("ACCEL_TEST_DIR").unwrap_or_else(|| "/var/tmp".into()))
+            .unwrap();
+        let export = dir.path().join("export.sock");
+        let _t = hostile_export(&export, lie);
+        let relay = Arc::new(RelayEngine::connect(&export, None, 1).unwrap());
+        let image = dir.path().join("unused.raw");
+        let s = TestServer::serve_engine(
+            dir,
+            image,
+            relay.clone(),
+            SIZE,
+            &ServerOptions {
+                size: SIZE,
+                werror: ErrorPolicy::Report,
+                rerror: ErrorPolicy::Report,
+                ..Default::default()
+            },
+        );
+        let mut fe = frontend(&s, 1);
+        let (st, _, _) = fe.request(0, T_IN, 0, &[], 4096).unwrap();
+        let why = relay.failure();
+        println!("{lie:?}: status {st}, session: {why:?}");
+        // A head used twice completes its request once (the first time is true), then ends
+        // the session.
+        match lie {
+            Lie::Twice => assert_eq!(st, S_OK),
+            _ => assert_eq!(st, S_IOERR, "{lie:?}"),
+        }
+        let why = relay
+            .wait_failed(std::time::Duration::from_secs(5))
+            .expect("the session ended");
+        // The second use of a head with nothing else in flight is past what was posted; with
+        // other requests in flight it would be an id not in flight.
+        let want: &[&str] = match lie {
+            Lie::UnknownId => &["used id 4000"],
+            Lie::Twice => &["moved by 1 with 0 posted", "not in flight"],
+            Lie::Runaway => &["used index moved by 100"],
+        };
+        assert!(want.iter().any(|w| why.contains(w)), "{lie:?}: {why}");
+        assert_eq!(fe.request(0, T_IN, 8, &[], 4096).unwrap().0, S_IOERR);
+        assert_eq!(fe.request(0, T_GET_ID, 0, &[], 20).unwrap().0, S_OK);
+    }
 }

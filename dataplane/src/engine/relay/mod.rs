@@ -130,6 +130,7 @@ impl RelayEngine {
             calls,
             kicks,
             write_cache: Mutex::new(None),
+            write_through: AtomicBool::new(false),
             dead: AtomicBool::new(false),
             why: Mutex::new(None),
             ended: std::sync::Condvar::new(),
@@ -244,10 +245,11 @@ impl Engine for RelayEngine {
         };
         let current = lock(mem).clone();
         if current.num_regions() > 0 {
-            self.s.sync_memory(&current).map_err(|w| {
+            if let Err(w) = self.s.sync_memory(&current) {
+                self.s.give_back(queue, state);
                 self.s.fail(&w);
-                bad(w)
-            })?;
+                return Err(bad(w));
+            }
         }
         if !state.started {
             let r = &state.ring;
@@ -261,15 +263,17 @@ impl Engine for RelayEngine {
             };
             let call = borrow(&self.s.calls[queue]);
             let kick = borrow(&self.s.kicks[queue]);
-            let mut c = lock(&self.s.client);
-            c.start_rings(&[(addr, Some(call), kick)])
-                .and_then(|()| c.ping())
-                .map_err(|e| {
-                    let w = crate::util::error_chain(&e);
-                    drop(c);
-                    self.s.fail(&w);
-                    bad(w)
-                })?;
+            let r = {
+                let mut c = lock(&self.s.client);
+                c.start_rings(&[(addr, Some(call), kick)])
+                    .and_then(|()| c.ping())
+            };
+            if let Err(e) = r {
+                let w = crate::util::error_chain(&e);
+                self.s.give_back(queue, state);
+                self.s.fail(&w);
+                return Err(bad(w));
+            }
             state.started = true;
         }
         Ok(Box::new(RelayQueue::new(

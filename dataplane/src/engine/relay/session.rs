@@ -54,6 +54,8 @@ pub(crate) struct Session {
     pub(crate) kicks: Vec<EventFd>,
     /// The export's write cache as last set (None: the export's default, on).
     pub(crate) write_cache: Mutex<Option<bool>>,
+    /// Whether the export's write cache is off now (read per write, without the lock).
+    pub(crate) write_through: AtomicBool,
     pub(crate) dead: AtomicBool,
     pub(crate) why: Mutex<Option<String>>,
     /// Signalled when `why` is set.
@@ -169,6 +171,9 @@ impl Session {
 
     /// Sets the export's write cache (write-through when off) if it differs.
     pub(crate) fn set_write_cache(&self, on: bool) -> Result<(), String> {
+        if self.write_through.load(Ordering::Acquire) != on {
+            return Ok(());
+        }
         let mut wc = lock(&self.write_cache);
         if *wc == Some(on) || (wc.is_none() && on) {
             return Ok(());
@@ -178,6 +183,7 @@ impl Session {
             .and_then(|()| c.ping())
             .map_err(|e| crate::util::error_chain(&e))?;
         *wc = Some(on);
+        self.write_through.store(!on, Ordering::Release);
         Ok(())
     }
 }
