@@ -103,17 +103,17 @@ pub enum ClientError {
         want: u32,
         got: Option<u32>,
     },
-    #[error("vhost-user request {req} to the export")]
+    #[error("vhost-user request {} to the export", req_name(*req))]
     Io {
         req: u32,
         #[source]
         source: io::Error,
     },
-    #[error("the export refused request {req} (status {status})")]
+    #[error("the export refused {} (status {status})", req_name(*req))]
     Refused { req: u32, status: u64 },
-    #[error("the export's reply to request {req} is malformed: {what}")]
+    #[error("the export's reply to {} is malformed: {what}", req_name(*req))]
     BadReply { req: u32, what: String },
-    #[error("the export lacks what the guest negotiated: {0}")]
+    #[error("the export lacks what acceld needs: {0}")]
     Unsupported(String),
 }
 
@@ -551,7 +551,7 @@ impl Client {
         let size = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes")) as usize;
         let bad = |what: String| ClientError::BadReply { req, what };
         if got != req {
-            return Err(bad(format!("a reply to request {got}")));
+            return Err(bad(format!("a reply to {}", req_name(got))));
         }
         if flags & 0x3 != VERSION || flags & REPLY == 0 {
             return Err(bad(format!("flags {flags:#x}")));
@@ -593,6 +593,34 @@ impl Probe {
         }
         self.0.reply(GET_FEATURES, 8).map(|_| true)
     }
+}
+
+/// The vhost-user spec's name of request `req` (for errors).
+fn req_name(req: u32) -> String {
+    let n = match req {
+        GET_FEATURES => "GET_FEATURES",
+        SET_FEATURES => "SET_FEATURES",
+        SET_OWNER => "SET_OWNER",
+        SET_MEM_TABLE => "SET_MEM_TABLE",
+        SET_VRING_NUM => "SET_VRING_NUM",
+        SET_VRING_ADDR => "SET_VRING_ADDR",
+        SET_VRING_BASE => "SET_VRING_BASE",
+        GET_VRING_BASE => "GET_VRING_BASE",
+        SET_VRING_KICK => "SET_VRING_KICK",
+        SET_VRING_CALL => "SET_VRING_CALL",
+        GET_PROTOCOL_FEATURES => "GET_PROTOCOL_FEATURES",
+        SET_PROTOCOL_FEATURES => "SET_PROTOCOL_FEATURES",
+        GET_QUEUE_NUM => "GET_QUEUE_NUM",
+        SET_VRING_ENABLE => "SET_VRING_ENABLE",
+        SET_BACKEND_REQ_FD => "SET_BACKEND_REQ_FD",
+        GET_CONFIG => "GET_CONFIG",
+        SET_CONFIG => "SET_CONFIG",
+        GET_MAX_MEM_SLOTS => "GET_MAX_MEM_SLOTS",
+        ADD_MEM_REG => "ADD_MEM_REG",
+        REM_MEM_REG => "REM_MEM_REG",
+        _ => return format!("request {req}"),
+    };
+    n.to_string()
 }
 
 /// A `VhostUserMemRegMsg`: padding, then the region (user address = guest-physical address).

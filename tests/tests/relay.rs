@@ -238,6 +238,12 @@ enum Lie {
     Twice,
     /// A used index 100 ahead of what was posted.
     Runaway,
+    /// A config space whose capacity overflows a byte count.
+    HugeCapacity,
+    /// A config space with a block size of 3 bytes (it offers BLK_SIZE).
+    OddBlockSize,
+    /// A reply of 4 bytes where 8 belong.
+    ShortReply,
 }
 
 /// A vhost-user "export" that negotiates what the relay needs, maps acceld's shadow region
@@ -363,6 +369,7 @@ fn hostile_export(path: &std::path::Path, lie: Lie) -> std::thread::JoinHandle<(
                                     set_idx(2);
                                 }
                                 Lie::Runaway => set_idx(100),
+                                _ => {}
                             }
                         });
                     }
@@ -379,8 +386,14 @@ fn hostile_export(path: &std::path::Path, lie: Lie) -> std::thread::JoinHandle<(
                 m.extend_from_slice(body);
                 let _ = s.write_all(&m);
             };
-            let features: u64 = (1 << 32) | (1 << 28) | (1 << 29) | (1 << 30) | (1 << 9);
+            let blk_size = if matches!(lie, Lie::OddBlockSize) {
+                1 << 6
+            } else {
+                0
+            };
+            let features: u64 = (1 << 32) | (1 << 28) | (1 << 29) | (1 << 30) | (1 << 9) | blk_size;
             match req {
+                1 if matches!(lie, Lie::ShortReply) => reply(&mut s, &[0xff; 4]),
                 1 => reply(&mut s, &features.to_le_bytes()),
                 // REPLY_ACK, CONFIG, CONFIGURE_MEM_SLOTS.
                 15 => reply(&mut s, &((1u64 << 3) | (1 << 9) | (1 << 15)).to_le_bytes()),
@@ -388,7 +401,14 @@ fn hostile_export(path: &std::path::Path, lie: Lie) -> std::thread::JoinHandle<(
                 36 => reply(&mut s, &509u64.to_le_bytes()),
                 24 => {
                     let mut b = msg[12..].to_vec();
-                    b[12..20].copy_from_slice(&(SIZE / 512).to_le_bytes());
+                    let cap = if matches!(lie, Lie::HugeCapacity) {
+                        u64::MAX
+                    } else {
+                        SIZE / 512
+                    };
+                    b[12..20].copy_from_slice(&cap.to_le_bytes());
+                    // blk_size, at config offset 20.
+                    b[32..36].copy_from_slice(&3u32.to_le_bytes());
                     reply(&mut s, &b)
                 }
                 _ if flags & 0x8 != 0 => reply(&mut s, &0u64.to_le_bytes()),
@@ -450,9 +470,37 @@ fn an_export_that_lies_in_its_used_ring_ends_the_session() {
             Lie::UnknownId => &["used id 4000"],
             Lie::Twice => &["moved by 1 with 0 posted", "not in flight"],
             Lie::Runaway => &["used index moved by 100"],
+            _ => unreachable!("set-up lies are refused at connect"),
         };
         assert!(want.iter().any(|w| why.contains(w)), "{lie:?}: {why}");
         assert_eq!(fe.request(0, T_IN, 8, &[], 4096).unwrap().0, S_IOERR);
         assert_eq!(fe.request(0, T_GET_ID, 0, &[], 20).unwrap().0, S_OK);
+    }
+}
+
+/// An export whose set-up answers are wrong (a capacity that overflows, a 3-byte block size, a
+/// short reply) is refused at connect with the reason, never taken in.
+#[test]
+fn an_export_with_a_lying_config_is_refused_at_connect() {
+    for (lie, want) in [
+        (Lie::HugeCapacity, "capacity"),
+        (Lie::OddBlockSize, "block size 3"),
+        (
+            Lie::ShortReply,
+            "reply to GET_FEATURES is malformed: 4 bytes, 8 expected",
+        ),
+    ] {
+        let dir = tempfile::Builder::new()
+            .prefix("accel-relay-cfg")
+            .tempdir_in(std::env::var_os("ACCEL_TEST_DIR").unwrap_or_else(|| "/var/tmp".into()))
+            .unwrap();
+        let export = dir.path().join("export.sock");
+        let _t = hostile_export(&export, lie);
+        let e = match RelayEngine::connect(&export, None, 1) {
+            Ok(_) => panic!("{lie:?}: the export was taken"),
+            Err(e) => accel_dataplane::util::error_chain(&e),
+        };
+        println!("{lie:?}: {e}");
+        assert!(e.contains(want), "{lie:?}: {e}");
     }
 }
