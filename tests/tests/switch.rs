@@ -146,6 +146,58 @@ fn hundred_overlapped_switches_under_qd32_verified_load() {
     assert!(overlapped > 0, "no swap found a request in flight");
 }
 
+/// The same between the direct engine and the relay (QEMU's vhost-user-blk export of the same
+/// image, in qemu-storage-daemon): each swap leaves requests in flight on the engine left,
+/// and a queue that comes back to the relay goes on where its shadow ring stood.
+#[test]
+fn hundred_overlapped_switches_between_direct_and_the_relay_under_qd32_verified_load() {
+    use accel_dataplane::engine::relay::RelayEngine;
+    use accel_tests::harness::{Qsd, QsdOptions};
+    let opts = ServerOptions {
+        queues: 2,
+        size: 32 << 20,
+        poll_us: 50,
+        io: IoMode::Uring,
+        ..Default::default()
+    };
+    let s = TestServer::start(&opts);
+    let export = s.dir.path().join("export.sock");
+    let _qsd = Qsd::start(
+        &s.image,
+        &export,
+        &QsdOptions {
+            queues: 2,
+            iothread: true,
+            ..Default::default()
+        },
+    )
+    .expect("qemu-storage-daemon");
+    let relay = Arc::new(RelayEngine::connect(&export, None, 2).unwrap());
+    let a: Arc<dyn Engine> = file_engine(&s.image, &opts);
+    let b: Arc<dyn Engine> = relay.clone();
+    switches_under_load(&s, a, b, 44, |drive, to| {
+        let ahead = drive.open_contexts(to.as_ref()).expect("contexts");
+        let (r, draining) = drive.swap_engine(to, ahead).map_err(|e| e.1).expect("swap");
+        assert_eq!(r.queues, 2);
+        assert!(
+            draining.wait(Duration::from_secs(10)).is_ok(),
+            "old engine drained"
+        );
+    });
+    let overlapped = s.drive.stats.overlapped.load(Ordering::Relaxed);
+    let posted = relay
+        .stats()
+        .posted
+        .load(std::sync::atomic::Ordering::Relaxed);
+    println!(
+        "100 overlapped direct <-> relay switches x 2 queues: {overlapped} queue swaps had \
+         requests in flight, {posted} requests through the relay"
+    );
+    assert!(overlapped > 0, "no swap found a request in flight");
+    assert!(posted > 1000, "the relay served {posted}");
+    assert!(relay.failure().is_none(), "{:?}", relay.failure());
+}
+
 /// An overlapped switch does not wait for the old engine: with a write held by the old
 /// engine's server (an NBD server that answers it only when told), requests after the swap
 /// complete on the new engine; the held one completes on the old engine once answered, and

@@ -43,7 +43,7 @@ mod state;
 
 use queue::RelayQueue;
 pub use session::RelayStats;
-use session::{shutdown, watch, Exported, Session};
+use session::{shutdown, watch, Exported, QueueSlot, Session};
 use shadow::{Shadow, RING_SIZE, SHADOW_GPA};
 use state::QueueState;
 
@@ -126,7 +126,7 @@ impl RelayEngine {
             cfg,
             shadow,
             exported: Mutex::new(Exported::default()),
-            queues: (0..queues).map(|_| Mutex::new(None)).collect(),
+            queues: (0..queues).map(|_| Mutex::new(QueueSlot::Unused)).collect(),
             calls,
             kicks,
             write_cache: Mutex::new(None),
@@ -236,12 +236,17 @@ impl Engine for RelayEngine {
             let why = lock(&self.s.why).clone().unwrap_or_default();
             return Err(RelayError::Dead(why).into());
         }
-        let state = lock(&self.s.queues[queue]).take();
-        let mut state = match state {
-            Some(st) => st,
+        let slot = std::mem::replace(&mut *lock(&self.s.queues[queue]), QueueSlot::Taken);
+        let mut state = match slot {
+            QueueSlot::Here(st) => st,
             // SAFETY: queue `queue`'s part of the session's live shadow region, driven by
             // this queue's one context at a time (the state moves with it).
-            None => unsafe { QueueState::new(self.s.shadow.host(queue), Shadow::gpa(queue)) },
+            QueueSlot::Unused => unsafe {
+                QueueState::new(self.s.shadow.host(queue), Shadow::gpa(queue))
+            },
+            QueueSlot::Taken => {
+                return Err(bad("a context of this queue is still open".into()));
+            }
         };
         let current = lock(mem).clone();
         if current.num_regions() > 0 {

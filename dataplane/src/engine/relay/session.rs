@@ -19,6 +19,16 @@ use crate::guest_mem::Mem;
 use crate::util::lock;
 use crate::vu_frontend::{Client, ClientError, ExportConfig, Region};
 
+/// Where a queue's ring is.
+pub(crate) enum QueueSlot {
+    /// No context opened it yet: a fresh ring.
+    Unused,
+    /// Between contexts.
+    Here(QueueState),
+    /// A context holds it (two contexts on one ring would share its memory).
+    Taken,
+}
+
 /// What the relay counts.
 #[derive(Debug, Default)]
 pub struct RelayStats {
@@ -49,7 +59,7 @@ pub(crate) struct Session {
     pub(crate) exported: Mutex<Exported>,
     /// Each queue's ring while no queue context holds it (a context takes it and gives it
     /// back when dropped, so a queue that opens again goes on where it stood).
-    pub(crate) queues: Vec<Mutex<Option<QueueState>>>,
+    pub(crate) queues: Vec<Mutex<QueueSlot>>,
     pub(crate) calls: Vec<EventFd>,
     pub(crate) kicks: Vec<EventFd>,
     /// The export's write cache as last set (None: the export's default, on).
@@ -294,6 +304,6 @@ fn backend_message(b: &UnixStream) -> std::io::Result<Option<u32>> {
 
 impl Session {
     pub(crate) fn give_back(&self, queue: usize, st: QueueState) {
-        *lock(&self.queues[queue]) = Some(st);
+        *lock(&self.queues[queue]) = QueueSlot::Here(st);
     }
 }
