@@ -121,13 +121,6 @@ pub trait QueueIo: Send {
     fn has_completions(&mut self) -> bool {
         false
     }
-    /// Called before the worker sleeps on [`QueueIo::completion_fd`]: an engine that keeps
-    /// its completion signal off while the worker polls (the relay: no call from QEMU's
-    /// export per batch) turns it on here. Returns true when completions came meanwhile (the
-    /// worker reaps instead of sleeping).
-    fn prepare_sleep(&mut self) -> bool {
-        false
-    }
 }
 
 /// The storage side of a drive.

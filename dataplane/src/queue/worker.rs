@@ -317,12 +317,6 @@ impl Worker {
                 // Work came within the window: go on polling.
                 continue;
             }
-            if self.engines.prepare_sleep() {
-                // Completions came while the signal was off: reap them instead of sleeping.
-                self.reap();
-                self.notify();
-                continue;
-            }
             let before_wait = Instant::now();
             // Held requests are retried on a timer: sleep no longer than the next retry.
             let timeout = self.holds.timeout_ms(before_wait);

@@ -262,9 +262,7 @@ impl RelayQueue {
                     return;
                 }
             }
-            // Polled or woken, the worker reads again before it sleeps: the export's call
-            // is asked for only then (`prepare_sleep`), not per batch.
-            if self.st().ring.used_idx() == self.st().ring.used_seen {
+            if !self.st().ring.arm() {
                 return;
             }
         }
@@ -503,17 +501,6 @@ impl QueueIo for RelayQueue {
         }
         let st = self.st();
         st.ring.used_idx() != st.ring.used_seen
-    }
-
-    fn prepare_sleep(&mut self) -> bool {
-        if self.failed || !self.done.is_empty() {
-            return !self.done.is_empty();
-        }
-        if self.s.is_dead() {
-            return true;
-        }
-        // A call once the used index passes what was read, then a last look.
-        self.st().ring.arm()
     }
 
     fn reap(&mut self, out: &mut Vec<(u64, i32)>) {

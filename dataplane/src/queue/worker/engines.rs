@@ -94,14 +94,6 @@ impl Engines {
         }
     }
 
-    /// Both engines' [`crate::engine::QueueIo::prepare_sleep`]: whether either has
-    /// completions after all.
-    pub(super) fn prepare_sleep(&mut self) -> bool {
-        let a = self.io.prepare_sleep();
-        let b = self.old.as_mut().is_some_and(|o| o.io.prepare_sleep());
-        a || b
-    }
-
     pub(super) fn has_completions(&mut self) -> bool {
         self.io.has_completions() || self.old.as_mut().is_some_and(|o| o.io.has_completions())
     }
