@@ -234,32 +234,15 @@ impl Supervisor {
     }
 
     /// QEMU's vhost-user-blk export of `top` (the node under acceld's NBD export) for the
-    /// relay, in acceld's iothread and fixed there (as the lend export: QEMU's main loop may
-    /// wait for acceld while acceld waits for the export). Found again after an acceld
-    /// restart (a new session is accepted only once the last one drained). Without it the
-    /// drive is served over NBD, and the failure is logged.
+    /// relay. Found again after an acceld restart (a new session is accepted only once the
+    /// last one drained). Without it the drive is served over NBD, and the failure is logged.
     async fn relay_up(&self, d: &ManagedDrive, qmp: &Qmp, nbd_socket: &Path, top: &str) {
         let id = d.id();
         let sock = relay_socket(nbd_socket, id);
-        let r = match has_export(qmp, &relay_export_id(id)).await {
-            Ok(true) => Ok(()),
-            Ok(false) => {
-                let _ = std::fs::remove_file(&sock);
-                let add = BlockExportAdd::vhost_user_blk(
-                    &relay_export_id(id),
-                    top,
-                    &sock.to_string_lossy(),
-                    !d.spec.read_only,
-                    d.drive.config().num_queues,
-                )
-                .logical_block_size(d.drive.config().logical_block_size)
-                .in_iothread(&self.cfg.iothread)
-                .fixed_iothread();
-                qmp_run(qmp, &add).await.map(drop)
-            }
-            Err(e) => Err(e),
-        };
-        match r {
+        match self
+            .vhost_user_export(d, qmp, &relay_export_id(id), &sock, top)
+            .await
+        {
             Ok(()) => lock(&d.graph).relay_socket = Some(sock),
             Err(e) => {
                 if let Some(n) = d.log.admit() {
@@ -267,6 +250,35 @@ impl Supervisor {
                 }
             }
         }
+    }
+
+    /// QEMU's vhost-user-blk export `export` of `top` listening on `sock`, or acceld's own
+    /// from before a restart; in acceld's iothread and fixed there (the lend's take-back and
+    /// the relay's drain wait for the export's requests while QEMU's main loop may be blocked
+    /// on acceld).
+    async fn vhost_user_export(
+        &self,
+        d: &ManagedDrive,
+        qmp: &Qmp,
+        export: &str,
+        sock: &Path,
+        top: &str,
+    ) -> Result<(), SupError> {
+        if has_export(qmp, export).await? {
+            return Ok(());
+        }
+        let _ = std::fs::remove_file(sock);
+        let add = BlockExportAdd::vhost_user_blk(
+            export,
+            top,
+            &sock.to_string_lossy(),
+            !d.spec.read_only,
+            d.drive.config().num_queues,
+        )
+        .logical_block_size(d.drive.config().logical_block_size)
+        .in_iothread(&self.cfg.iothread)
+        .fixed_iothread();
+        qmp_run(qmp, &add).await.map(drop)
     }
 
     /// Removes QEMU's vhost-user-blk export the drive's requests were relayed through (its
@@ -279,33 +291,16 @@ impl Supervisor {
         Ok(())
     }
 
-    /// QEMU's vhost-user-blk export of `top` (the node under acceld's NBD export) in acceld's
-    /// iothread, for the drive's rings to be lent to (fixed there: a lent ring's take-back
-    /// waits for the export's requests while QEMU's main loop may be blocked on acceld).
-    /// Without it the drive is served over NBD only, and the failure is logged.
+    /// QEMU's vhost-user-blk export of `top` (the node under acceld's NBD export), for the
+    /// drive's rings to be lent to. Without it the drive is served over NBD only, and the
+    /// failure is logged.
     async fn lend_up(&self, d: &ManagedDrive, qmp: &Qmp, nbd_socket: &Path, top: &str) {
         let id = d.id();
         let sock = lend_socket(nbd_socket, id);
-        let r = match has_export(qmp, &lend_export_id(id)).await {
-            // acceld's own, from before a restart.
-            Ok(true) => Ok(()),
-            Ok(false) => {
-                let _ = std::fs::remove_file(&sock);
-                let add = BlockExportAdd::vhost_user_blk(
-                    &lend_export_id(id),
-                    top,
-                    &sock.to_string_lossy(),
-                    !d.spec.read_only,
-                    d.drive.config().num_queues,
-                )
-                .logical_block_size(d.drive.config().logical_block_size)
-                .in_iothread(&self.cfg.iothread)
-                .fixed_iothread();
-                qmp_run(qmp, &add).await.map(drop)
-            }
-            Err(e) => Err(e),
-        };
-        match r {
+        match self
+            .vhost_user_export(d, qmp, &lend_export_id(id), &sock, top)
+            .await
+        {
             Ok(()) => lock(&d.graph).lend_socket = Some(sock),
             Err(e) => {
                 if let Some(n) = d.log.admit() {

@@ -155,6 +155,16 @@ impl RelayQueue {
         false
     }
 
+    /// An empty chain with a place for the header, which [`RelayQueue::post`] fills.
+    fn start_chain(&mut self) {
+        self.chain.clear();
+        self.chain.push(Desc {
+            addr: 0,
+            len: 16,
+            write: false,
+        });
+    }
+
     fn complete_now(&mut self, token: u64, res: i32) {
         self.done.push((token, res));
     }
@@ -383,12 +393,7 @@ impl QueueIo for RelayQueue {
                     self.complete_now(token, -libc::EINVAL);
                     return true;
                 }
-                self.chain.clear();
-                self.chain.push(Desc {
-                    addr: 0,
-                    len: 16,
-                    write: false,
-                });
+                self.start_chain();
                 if !self.data_chain(iov, iovcnt, !write) {
                     if let Some(n) = RELAY_LOG.admit() {
                         warn!(
@@ -407,12 +412,7 @@ impl QueueIo for RelayQueue {
                     self.complete_now(token, 0);
                     return true;
                 }
-                self.chain.clear();
-                self.chain.push(Desc {
-                    addr: 0,
-                    len: 16,
-                    write: false,
-                });
+                self.start_chain();
                 (T_FLUSH, 0, 0, None)
             }
             IoOp::Fallocate {
@@ -442,12 +442,7 @@ impl QueueIo for RelayQueue {
                     next: first,
                     end: first + len / 512,
                 };
-                self.chain.clear();
-                self.chain.push(Desc {
-                    addr: 0,
-                    len: 16,
-                    write: false,
-                });
+                self.start_chain();
                 (typ, 0, 0, Some(d))
             }
         };
