@@ -66,10 +66,11 @@ pub struct DriveSpec {
     /// While the drive is on the qemu engine, relay its requests through QEMU's own
     /// vhost-user-blk export of the drive's node (rings of acceld's own in the export: the
     /// guest still sees acceld's device, counters and error policy); NBD when the export
-    /// cannot be made. Off by default: QEMU 10.0.2's vhost-user-blk export aborts or hangs
-    /// when its node is drained under I/O (a snapshot, a job, a blockdev-add), see
-    /// docs/qemu-engine.md. `nbd=on` is `relay=off`; `lend=on` lends the rings instead.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// cannot be made, and while a block job runs or the QMP proxy holds a management
+    /// command (QEMU 10.0.2's vhost-user-blk export aborts or hangs when its node is drained
+    /// under I/O). On by default; `relay=off` (or `nbd=on`) serves the qemu engine over NBD
+    /// only, and `lend=on` lends the rings instead. See docs/qemu-engine.md.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
     pub relay: bool,
 }
 
@@ -163,6 +164,10 @@ impl std::str::FromStr for DiscardMode {
         }
     }
 }
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
 fn default_true() -> bool {
     true
 }
@@ -228,7 +233,7 @@ impl DriveSpec {
             writeback: None,
             throttle: None,
             lend: false,
-            relay: false,
+            relay: true,
         };
         let mut relay_asked = false;
         for kv in s.split(',') {
@@ -620,10 +625,7 @@ mod tests {
         assert!(d.read_only);
         assert_eq!(d.serial.as_deref(), Some("S1"));
         assert_eq!(d.format, "raw");
-        assert!(
-            !d.relays(),
-            "NBD is the qemu engine's default (QEMU 10.0.2's export)"
-        );
+        assert!(d.relays(), "the relay is the qemu engine's default");
         for (spec, relays) in [
             ("id=d0,image=/x/d.qcow2,format=qcow2,relay=on", true),
             ("id=d0,image=/x/d.qcow2,relay=off", false),
@@ -639,9 +641,13 @@ mod tests {
                 serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
             assert_eq!(back.relays(), relays, "{spec}");
         }
-        // A spec persisted before the relay existed does not relay.
+        // A spec persisted before the relay existed relays (the default), and one persisted
+        // while the relay was opt-in keeps what it said.
         let old: DriveSpec = serde_json::from_str(r#"{"id":"d0","image":"/x"}"#).unwrap();
-        assert!(!old.relays());
+        assert!(old.relays());
+        let off: DriveSpec =
+            serde_json::from_str(r#"{"id":"d0","image":"/x","relay":false}"#).unwrap();
+        assert!(!off.relays());
         for (bad, why) in [
             ("image=/x", "missing id"),
             ("id=d0", "missing image"),

@@ -118,6 +118,10 @@ impl Host for Fake {
         let d = Fake::drive(engine);
         Box::pin(async move { Ok(d) })
     }
+    fn hold_relay<'a>(&'a self, _vm: &'a str, on: bool) -> HostFuture<'a, Result<(), SupError>> {
+        self.record(format!("relay hold {on}"));
+        Box::pin(async { Ok(()) })
+    }
     fn set_throttle_in_group<'a>(
         &'a self,
         _vm: &'a str,
@@ -242,7 +246,12 @@ fn a_block_command_on_a_drive_pins_it_to_qemu_for_the_command() {
     assert!(e.desc.contains("is not attached"), "forwarded: {e:?}");
     assert_eq!(
         fake.calls(),
-        ["pin d0 Some(Qemu) false", "pin d0 None false"],
+        [
+            "relay hold true",
+            "pin d0 Some(Qemu) false",
+            "pin d0 None false",
+            "relay hold false"
+        ],
         "held for the command, then released"
     );
 }
@@ -262,7 +271,12 @@ fn a_drive_that_cannot_go_to_qemu_fails_the_command_before_qemu_sees_it() {
     assert!(!e.desc.contains("not attached"), "not forwarded: {e:?}");
     assert_eq!(
         fake.calls(),
-        ["pin d0 Some(Qemu) false", "pin d0 None false"]
+        [
+            "relay hold true",
+            "pin d0 Some(Qemu) false",
+            "pin d0 None false",
+            "relay hold false"
+        ]
     );
 }
 
@@ -281,9 +295,11 @@ fn a_resize_of_a_drive_runs_with_the_export_off() {
     assert_eq!(
         fake.calls(),
         [
+            "relay hold true",
             "pin d0 Some(Qemu) false",
             "export off d0",
-            "pin d0 None false"
+            "pin d0 None false",
+            "relay hold false"
         ]
     );
 }

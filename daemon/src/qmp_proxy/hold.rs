@@ -1,6 +1,9 @@
 //! Holding drives on QEMU's block layer for a command that needs their nodes: one count per
 //! drive, shared by every client of the VM's proxy, so that overlapping commands (two
 //! clients, a VM snapshot and a job) neither release a drive early nor leave a pin behind.
+//! Every hold also keeps the VM's drives off the relay (acceld's NBD export serves them
+//! instead) while QEMU runs the command: QEMU 10.0.2's vhost-user-blk export aborts or hangs
+//! when a command drains its node with requests in flight.
 
 use std::collections::HashMap;
 
@@ -12,7 +15,11 @@ use super::state::{Ctx, Entry};
 
 /// What one command holds; give it back with [`release`].
 #[must_use]
-pub struct Held(Vec<String>);
+pub struct Held {
+    drives: Vec<String>,
+    /// The VM's relay hold ([`super::host::Host::hold_relay`]) was taken.
+    relay: bool,
+}
 
 fn pin_of(p: Option<PinKind>) -> Option<Pin> {
     p.map(|p| match p {
@@ -29,9 +36,18 @@ pub async fn hold(
     drives: &[String],
     why: &str,
 ) -> Result<Held, super::message::QmpError> {
-    let mut taken = Held(Vec::new());
+    if let Err(e) = ctx.sup.hold_relay(&ctx.vm, true).await {
+        return Err(super::message::QmpError::generic(format!(
+            "acceld: cannot move the VM's drives off the relay for {why}: {}",
+            e.chain()
+        )));
+    }
+    let mut taken = Held {
+        drives: Vec::new(),
+        relay: true,
+    };
     for drive in drives {
-        if taken.0.contains(drive) {
+        if taken.drives.contains(drive) {
             continue;
         }
         let mut map = ctx.shared.holds.held.lock().await;
@@ -40,7 +56,7 @@ pub async fn hold(
             release(ctx, taken).await;
             return Err(e);
         }
-        taken.0.push(drive.clone());
+        taken.drives.push(drive.clone());
     }
     Ok(taken)
 }
@@ -102,7 +118,7 @@ async fn take(
 /// Gives the drives back: the last holder restores the pin each had (the policy then decides
 /// whether the drive goes back to direct: a job, an overlay or an export keep it in QEMU).
 pub async fn release(ctx: &Ctx, held: Held) {
-    for drive in held.0 {
+    for drive in held.drives {
         let mut map = ctx.shared.holds.held.lock().await;
         let Some(e) = map.get_mut(&drive) else {
             continue;
@@ -118,6 +134,13 @@ pub async fn release(ctx: &Ctx, held: Held) {
                 if let Some(n) = ctx.shared.log.admit() {
                     warn!(vm = %ctx.vm, drive, "QMP proxy: cannot release the drive: {}{}", e.chain(), accel_dataplane::util::suppressed(n));
                 }
+            }
+        }
+    }
+    if held.relay {
+        if let Err(e) = ctx.sup.hold_relay(&ctx.vm, false).await {
+            if let Some(n) = ctx.shared.log.admit() {
+                warn!(vm = %ctx.vm, "QMP proxy: cannot put the drives back on the relay: {}{}", e.chain(), accel_dataplane::util::suppressed(n));
             }
         }
     }

@@ -55,6 +55,9 @@ pub trait Host: Send + Sync {
         pin: Option<DrivePin>,
         persistent: bool,
     ) -> HostFuture<'a, Result<DriveStatus, SupError>>;
+    /// One more (`on`) or one fewer management command that may drain QEMU's nodes: while
+    /// any is held, the VM's relayed drives serve over NBD ([`Supervisor::hold_relay`]).
+    fn hold_relay<'a>(&'a self, vm: &'a str, on: bool) -> HostFuture<'a, Result<(), SupError>>;
     /// A drive's throttle (None: none), in management's group `group`; `leave` ends the
     /// membership.
     fn set_throttle_in_group<'a>(
@@ -152,6 +155,10 @@ impl Host for SupHost {
         persistent: bool,
     ) -> HostFuture<'a, Result<DriveStatus, SupError>> {
         Box::pin(self.0.set_pin(vm, drive, pin, persistent))
+    }
+
+    fn hold_relay<'a>(&'a self, vm: &'a str, on: bool) -> HostFuture<'a, Result<(), SupError>> {
+        Box::pin(self.0.hold_relay(vm, on))
     }
 
     fn set_throttle_in_group<'a>(

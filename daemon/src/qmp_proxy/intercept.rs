@@ -419,10 +419,9 @@ pub fn hide_own_yank(ctx: &Ctx, v: &mut Value) {
 
 /// Forwards a block command with the drives it names held on QEMU's block layer.
 async fn with_drives(ctx: &Ctx, name: &str, args: Option<Map<String, Value>>) -> Reply {
+    // With no drive named, the hold still keeps the relay off: a transaction or a reopen
+    // may drain every node.
     let drives = named_drives(&ctx.drives(), &args);
-    if drives.is_empty() {
-        return forward(ctx, name, args).await;
-    }
     let held = hold(ctx, &drives, name).await?;
     let r = forward(ctx, name, args).await;
     release(ctx, held).await;

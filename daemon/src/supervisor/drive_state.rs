@@ -80,6 +80,10 @@ pub struct GraphRecord {
     /// The socket of QEMU's vhost-user-blk export the requests are relayed through
     /// (`relay=on`, qemu engine), while it exists.
     pub relay_socket: Option<std::path::PathBuf>,
+    /// The relay may serve the drive now (the last look at QEMU found no block job on it,
+    /// and the VM's QMP proxy holds no command): a bring-up of the qemu engine relays only
+    /// then, otherwise it serves over NBD (see [`super::plan::PlanInput::relay_wanted`]).
+    pub relay_allowed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -280,6 +284,12 @@ impl ManagedDrive {
 
     pub fn engine_kind(&self) -> EngineKind {
         lock(&self.placement).engine
+    }
+
+    /// On the qemu engine through the relay (QEMU's vhost-user-blk export), not NBD.
+    pub fn relayed(&self) -> bool {
+        self.engine_kind() == EngineKind::Qemu
+            && self.drive.engine().io_path() == accel_dataplane::engine::relay::IO_PATH
     }
 
     pub fn has_device(&self) -> bool {

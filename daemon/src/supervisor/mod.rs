@@ -335,6 +335,62 @@ impl Supervisor {
         self.act_now(&vmr, &d, true).await
     }
 
+    /// The QMP proxy is about to forward a management command that may drain QEMU's nodes
+    /// (`on`), or has its answer (`!on`). QEMU 10.0.2's vhost-user-blk export aborts or hangs
+    /// when its node is drained with requests in flight, so while any command is held no
+    /// drive relays: each relayed drive moves to acceld's NBD export of the same node (an
+    /// overlapped repath, nothing is paused for long) before the command goes, and back once
+    /// the last one answered. Fails, giving the hold back, when a drive stays relayed.
+    pub async fn hold_relay(self: &Arc<Self>, vm: &str, on: bool) -> Result<(), SupError> {
+        let vmr = self.vm(vm)?;
+        if on {
+            vmr.relay_holds.fetch_add(1, Ordering::SeqCst);
+        } else {
+            let _ = vmr
+                .relay_holds
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+            if vmr.relay_held() {
+                return Ok(());
+            }
+        }
+        let Ok(qmp) = vmr.qmp() else {
+            return Ok(());
+        };
+        let mut stuck = Vec::new();
+        for d in vmr.drives() {
+            let to_move = if on {
+                d.relayed()
+            } else {
+                d.spec.relays() && d.engine_kind() == EngineKind::Qemu && !d.relayed()
+            };
+            if !to_move || !d.has_device() {
+                continue;
+            }
+            let r = self.reconcile(&vmr, &d, &qmp, false).await;
+            if on && d.relayed() {
+                let why = r
+                    .err()
+                    .map_or_else(|| "it is still relayed".to_string(), |e| e.chain());
+                stuck.push(format!("{}: {why}", d.spec.id));
+            } else if let Err(e) = r {
+                if let Some(n) = d.log.admit() {
+                    tracing::warn!(vm, drive = %d.spec.id, "{}{}", e.chain(), accel_dataplane::util::suppressed(n));
+                }
+            }
+        }
+        self.save();
+        if stuck.is_empty() {
+            return Ok(());
+        }
+        let _ = vmr
+            .relay_holds
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        Err(SupError::QemuState(format!(
+            "move the relayed drives to NBD ({})",
+            stuck.join("; ")
+        )))
+    }
+
     /// Retries the drive's held requests now (`accelctl resume`), e.g. after space was freed.
     pub fn resume(&self, vm: &str, drive: &str) -> Result<DriveStatus, SupError> {
         let vmr = self.vm(vm)?;

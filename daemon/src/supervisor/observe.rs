@@ -27,6 +27,13 @@ impl QemuSnapshot {
     pub fn has_export(&self, drive: &str) -> bool {
         self.exports.iter().any(|e| e.id == export_id(drive))
     }
+
+    /// A block job runs on one of the VM's nodes (as far as the block graph shows).
+    pub fn has_block_job(&self) -> bool {
+        self.graph
+            .as_ref()
+            .is_some_and(|g| g.nodes.iter().any(|(_, t, _)| t == "block-job"))
+    }
 }
 
 pub(super) async fn snapshot(qmp: &Qmp) -> Result<QemuSnapshot, SupError> {

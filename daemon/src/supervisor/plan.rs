@@ -6,6 +6,7 @@
 //!   held    ──────────────────────────────► qemu  ◄────────────────────────── held
 //!   direct  ──────────────────────────────► qemu       (held ──► direct at once)
 //!   qemu    ──► stay | retune throttle | re-create (export gone, throttle on/off)
+//!   qemu    ──► repath: relay ⇄ NBD (QEMU's vhost-user-blk export, or its NBD export)
 //!   qemu    ──── decision direct, quiet period over (or urgent) ────────────► direct
 //!   direct  ──── decision direct ──► stay
 //! ```
@@ -51,6 +52,13 @@ pub struct PlanInput<'a> {
     /// migrated away): no engine moves, because a move adds or removes nodes and exports,
     /// which makes the migration fail or activates the destination's nodes early.
     pub migrating: bool,
+    /// On the qemu engine, the requests go through the relay (QEMU's vhost-user-blk export)
+    /// now, not NBD.
+    pub relayed: bool,
+    /// The relay may serve the drive: `relay=on`, its export is up, and nothing that drains
+    /// QEMU's node is under way (a management command the QMP proxy holds, a block job):
+    /// QEMU 10.0.2's export aborts or hangs when its node is drained with requests in flight.
+    pub relay_wanted: bool,
 }
 
 /// Why a drive goes to (or is re-created on) the qemu engine.
@@ -83,6 +91,9 @@ pub enum Action {
     ToQemu(ToQemu),
     /// New limits on the drive's throttle group: no switch needed.
     Retune(ThrottleLimits),
+    /// Stay on the qemu engine, through the relay (`true`) or over NBD (`false`): an
+    /// overlapped switch between QEMU's two exports of the same node.
+    Repath { relay: bool },
 }
 
 /// What the executor does to the quiet timer.
@@ -148,6 +159,9 @@ pub fn plan(i: &PlanInput<'_>) -> Plan {
                 match (i.want_throttle, i.applied_throttle) {
                     (Some(w), Some(h)) if w != h => Action::Retune(w.clone()),
                     (Some(_), None) | (None, Some(_)) => Action::ToQemu(ToQemu::ThrottleChanged),
+                    _ if i.relayed != i.relay_wanted => Action::Repath {
+                        relay: i.relay_wanted,
+                    },
                     _ => Action::Stay,
                 }
             };
@@ -194,6 +208,8 @@ mod tests {
         quiet: Quiet,
         urgent: bool,
         migrating: bool,
+        relayed: bool,
+        relay_wanted: bool,
         action: &'static str,
         timer: Timer,
     }
@@ -218,6 +234,8 @@ mod tests {
             quiet_period: Q,
             urgent: c.urgent,
             migrating: c.migrating,
+            relayed: c.relayed,
+            relay_wanted: c.relay_wanted,
         })
     }
 
@@ -233,6 +251,8 @@ mod tests {
             Action::ToQemu(ToQemu::ThrottleChanged) => "qemu:throttle".into(),
             Action::ToQemu(ToQemu::ExportContext) => "qemu:context".into(),
             Action::Retune(l) => format!("retune:{}", l.iops_total.unwrap_or(0)),
+            Action::Repath { relay: true } => "relay".into(),
+            Action::Repath { relay: false } => "nbd".into(),
         }
     }
 
@@ -243,11 +263,12 @@ mod tests {
     #[rustfmt::skip]
     fn cases() -> Vec<Case> {
         let c = |name, accel, engine, device, want, have, export, quiet, urgent, action, timer| Case {
-            name, accel, engine, device, want, have, export, quiet, urgent, migrating: false, action, timer,
+            name, accel, engine, device, want, have, export, quiet, urgent, migrating: false,
+            relayed: false, relay_wanted: false, action, timer,
         };
         let m = |name, accel, engine, want, have, export, urgent| Case {
             name, accel, engine, device: true, want, have, export, quiet: NotRunning, urgent,
-            migrating: true, action: "stay", timer: Timer::Keep,
+            migrating: true, relayed: true, relay_wanted: false, action: "stay", timer: Timer::Keep,
         };
         vec![
             // name                                  accel  engine device want     have     export quiet              urgent action              timer
@@ -304,8 +325,18 @@ mod tests {
                         for have in [None, Some(5), Some(9)] {
                             for export in [true, false] {
                                 for quiet in [NotRunning, Running(MS(10)), Running(MS(5000))] {
-                                    for (urgent, migrating) in
+                                    for (urgent, migrating, relayed, relay_wanted) in
                                         [(true, false), (false, false), (true, true), (false, true)]
+                                            .into_iter()
+                                            .flat_map(|(u, m)| {
+                                                [
+                                                    (false, false),
+                                                    (false, true),
+                                                    (true, false),
+                                                    (true, true),
+                                                ]
+                                                .map(|(r, w)| (u, m, r, w))
+                                            })
                                     {
                                         let c = Case {
                                             name: "",
@@ -318,6 +349,8 @@ mod tests {
                                             quiet,
                                             urgent,
                                             migrating,
+                                            relayed,
+                                            relay_wanted,
                                             action: "",
                                             timer: Timer::Keep,
                                         };
@@ -370,6 +403,19 @@ mod tests {
                                             assert_eq!(Some(l.clone()), want.map(lim));
                                             assert_ne!(want, have);
                                         }
+                                        // A repath only on the qemu engine kept there, towards
+                                        // what is wanted, and whenever nothing else is to do.
+                                        if let Action::Repath { relay } = a {
+                                            assert!(!accel && engine == Qemu);
+                                            assert_eq!(*relay, relay_wanted);
+                                            assert_ne!(relayed, relay_wanted);
+                                        }
+                                        if !accel && engine == Qemu && export && want == have {
+                                            assert_eq!(
+                                                matches!(a, Action::Repath { .. }),
+                                                relayed != relay_wanted
+                                            );
+                                        }
                                     }
                                 }
                             }
@@ -378,7 +424,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(n, 2 * 3 * 2 * 3 * 3 * 2 * 3 * 4);
+        assert_eq!(n, 2 * 3 * 2 * 3 * 3 * 2 * 3 * 4 * 4);
     }
 
     #[test]
@@ -396,6 +442,8 @@ mod tests {
             quiet_period: Q,
             urgent: false,
             migrating,
+            relayed: false,
+            relay_wanted: false,
         };
         let a = |i: PlanInput<'_>| name(&plan(&i).action);
         assert_eq!(a(input(Qemu, true, true, false)), "qemu:context");
@@ -406,5 +454,58 @@ mod tests {
         assert_eq!(a(input(Direct, false, true, false)), "qemu");
         // A migration moves nothing.
         assert_eq!(a(input(Qemu, true, true, true)), "stay");
+    }
+
+    /// Between the relay and NBD: only on the qemu engine, after any re-creation or throttle
+    /// change (those bring the engine up again, on the path the executor then allows), never
+    /// in a migration.
+    #[test]
+    fn the_qemu_engine_repaths_between_the_relay_and_nbd() {
+        let dec = Decision::Qemu(vec![Reason::Format("qcow2".into())]);
+        let five = lim(5);
+        let nine = lim(9);
+        type Row<'a> = (
+            &'a str,
+            EngineKind,
+            bool,
+            Option<&'a ThrottleLimits>,
+            Option<&'a ThrottleLimits>,
+            bool,
+            bool,
+            bool,
+            &'a str,
+        );
+        #[rustfmt::skip]
+        let cases: &[Row<'_>] = &[
+            // name                                   engine  export want         have         migr   relayed wanted action
+            ("relayed, a hold or a job: off to NBD",  Qemu,   true,  None,        None,        false, true,  false, "nbd"),
+            ("on NBD, nothing drains: to the relay",  Qemu,   true,  None,        None,        false, false, true,  "relay"),
+            ("relayed and wanted",                    Qemu,   true,  None,        None,        false, true,  true,  "stay"),
+            ("on NBD, the relay not wanted",          Qemu,   true,  None,        None,        false, false, false, "stay"),
+            ("throttled, same limits: repath",        Qemu,   true,  Some(&five), Some(&five), false, true,  false, "nbd"),
+            ("export gone beats the repath",          Qemu,   false, None,        None,        false, true,  false, "qemu:export-gone"),
+            ("a throttle change beats it",            Qemu,   true,  Some(&five), None,        false, true,  false, "qemu:throttle"),
+            ("new limits first, repath next time",    Qemu,   true,  Some(&five), Some(&nine), false, false, true,  "retune:5"),
+            ("a migration: the path stays",           Qemu,   true,  None,        None,        true,  true,  false, "stay"),
+            ("direct: to the qemu engine first",      Direct, false, None,        None,        false, false, true,  "qemu"),
+        ];
+        for &(what, engine, export, want_t, have, migrating, relayed, relay_wanted, want) in cases {
+            let got = plan(&PlanInput {
+                decision: &dec,
+                engine,
+                has_device: true,
+                want_throttle: want_t,
+                applied_throttle: have,
+                export_present: export,
+                export_context_stale: false,
+                quiet: Quiet::NotRunning,
+                quiet_period: Q,
+                urgent: false,
+                migrating,
+                relayed,
+                relay_wanted,
+            });
+            assert_eq!(name(&got.action), want, "{what}");
+        }
     }
 }

@@ -310,6 +310,24 @@ impl Supervisor {
         }
     }
 
+    /// The relay's export of a drive on the qemu engine, made again if missing (an acceld
+    /// restart, a failed session that removed it): on the node under acceld's NBD export.
+    pub(super) async fn ensure_relay_export(&self, vm: &Vm, d: &ManagedDrive, qmp: &Qmp) {
+        if !d.spec.relays() || lock(&d.graph).relay_socket.is_some() {
+            return;
+        }
+        let Ok(exports) = qmp_run(qmp, &QueryBlockExports).await else {
+            return;
+        };
+        if let Some(top) = exports
+            .iter()
+            .find(|e| e.id == export_id(d.id()))
+            .map(|e| e.node_name.clone())
+        {
+            self.relay_up(d, qmp, &vm.nbd_socket(), &top).await;
+        }
+    }
+
     /// A `lend=on` drive on the qemu engine lends its rings: QEMU's vhost-user-blk export of
     /// the node under acceld's NBD export (made if missing, e.g. after an acceld restart) and
     /// a lender on it. Nothing for other drives, or when a lender runs.

@@ -335,6 +335,7 @@ impl Supervisor {
                 applied_group: None,
                 lend_socket: None,
                 relay_socket: None,
+                relay_allowed: false,
             },
         )))
     }

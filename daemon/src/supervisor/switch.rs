@@ -16,9 +16,10 @@ use tracing::{debug, info, warn};
 
 use super::drive_state::ManagedDrive;
 use super::plan::{Action, ToQemu};
-use super::qemu_graph::{lift_limits, set_limits};
+use super::qemu_graph::{export_id, lift_limits, set_limits};
 use super::vm::Vm;
 use super::{SupError, Supervisor};
+use accel_dataplane::drive::{Draining, SwitchReport};
 use accel_dataplane::engine::nbd::NbdEngine;
 use accel_dataplane::engine::relay::RelayEngine;
 use accel_dataplane::engine::{Engine, FileEngine, FileEngineConfig, HeldEngine};
@@ -85,6 +86,7 @@ impl Supervisor {
                 }
                 self.transition(vm, d, qmp, Target::Direct(spec)).await
             }
+            Action::Repath { relay } => self.repath(vm, d, qmp, relay).await,
             Action::ToQemu(why) => {
                 if why == ToQemu::ExportGone {
                     if let Some(n) = d.log.admit() {
@@ -227,26 +229,8 @@ impl Supervisor {
             }
         };
         let res = if let Some((rep, draining)) = swapped {
-            let t = std::time::Instant::now();
-            let timeout = Duration::from_millis(self.cfg.drain_timeout_ms);
-            match offload::blocking(move || draining.wait(timeout)).await {
-                Ok(()) => {
-                    debug!(drive = %d.spec.id, to = to.kind().as_str(), swap_us = rep.pause.as_micros() as u64, handover_us = rep.handover.as_micros() as u64, old_drain_us = t.elapsed().as_micros() as u64, "switch steps (overlapped)");
-                    old.release();
-                }
-                Err(draining) => {
-                    // Never release an engine with requests on it: a thread waits for them
-                    // and releases it then; no other switch starts meanwhile.
-                    if let Some(n) = d.log.admit() {
-                        warn!(drive = %d.spec.id, "requests on the old engine did not finish within {timeout:?}; it is released once they do{}", accel_dataplane::util::suppressed(n));
-                    }
-                    let old = old.clone();
-                    std::thread::spawn(move || {
-                        draining.wait_all();
-                        old.release();
-                    });
-                }
-            }
+            self.release_drained(d, old.clone(), draining, &rep, to.kind().as_str())
+                .await;
             Ok(rep)
         } else {
             let dr = drive.clone();
@@ -385,7 +369,16 @@ impl Supervisor {
             .await?;
         let t_up = t0.elapsed();
         let queues = usize::from(d.drive.config().num_queues);
-        if let Some(engine) = self.relay_engine(vm, d, qmp, queues).await {
+        // The relay's export stays up either way; the drive goes through it only when
+        // nothing that may drain QEMU's node is under way (plan's relay_wanted).
+        let relay_now = lock(&d.graph).relay_allowed && !vm.relay_held();
+        if !relay_now {
+            debug!(drive = %d.spec.id, "over NBD for now: a block job or a held management command may drain QEMU's node");
+        }
+        if let Some(engine) = match relay_now {
+            true => self.relay_engine(vm, d, qmp, queues).await,
+            false => None,
+        } {
             debug!(drive = %d.spec.id, before_pause = share_write_first, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, export_us = (t_up - t_nodes).as_micros() as u64, connect_us = (t0.elapsed() - t_up).as_micros() as u64, "bring-up steps (qemu, relay)");
             d.commit_qemu(None, throttle);
             return Ok(engine);
@@ -405,6 +398,129 @@ impl Supervisor {
         }
         d.commit_qemu(Some(engine.stats()), throttle);
         Ok(Arc::new(engine))
+    }
+
+    /// The old engine of an overlapped switch is released once its last request completed;
+    /// after the drain timeout a thread waits for them and releases it then (never an engine
+    /// with requests on it), and no other switch starts meanwhile.
+    async fn release_drained(
+        &self,
+        d: &Arc<ManagedDrive>,
+        old: Arc<dyn Engine>,
+        draining: Draining,
+        rep: &SwitchReport,
+        to: &str,
+    ) {
+        let t = std::time::Instant::now();
+        let timeout = Duration::from_millis(self.cfg.drain_timeout_ms);
+        match offload::blocking(move || draining.wait(timeout)).await {
+            Ok(()) => {
+                debug!(drive = %d.spec.id, to, swap_us = rep.pause.as_micros() as u64, handover_us = rep.handover.as_micros() as u64, old_drain_us = t.elapsed().as_micros() as u64, "switch steps (overlapped)");
+                old.release();
+            }
+            Err(draining) => {
+                if let Some(n) = d.log.admit() {
+                    warn!(drive = %d.spec.id, "requests on the old engine did not finish within {timeout:?}; it is released once they do{}", accel_dataplane::util::suppressed(n));
+                }
+                std::thread::spawn(move || {
+                    draining.wait_all();
+                    old.release();
+                });
+            }
+        }
+    }
+
+    /// On the qemu engine, moves the drive between QEMU's two exports of its node: the relay
+    /// (QEMU's vhost-user-blk export, `relay`) and acceld's NBD export. Both serve the same
+    /// node, so the move overlaps: new requests go to the new path at once and those in
+    /// flight finish on the old one. When the relay cannot be reached the drive stays on NBD
+    /// (logged); when the overlap is refused (held requests), an ordinary pause hands over.
+    async fn repath(
+        &self,
+        vm: &Arc<Vm>,
+        d: &Arc<ManagedDrive>,
+        qmp: &Arc<Qmp>,
+        relay: bool,
+    ) -> Result<(), SupError> {
+        let queues = usize::from(d.drive.config().num_queues);
+        let throttle = lock(&d.graph).applied_throttle.clone();
+        let (new, nbd_stats) = if relay {
+            self.ensure_relay_export(vm, d, qmp).await;
+            match self.relay_engine(vm, d, qmp, queues).await {
+                Some(e) => (e, None),
+                None => return Ok(()),
+            }
+        } else {
+            let (s, x) = (vm.nbd_socket(), export_id(d.id()));
+            let e = offload::blocking(move || NbdEngine::connect_ahead(&s, &x, queues)).await?;
+            if e.info().size < d.drive.capacity() {
+                return Err(SupError::Invalid(format!(
+                    "QEMU's export of {} holds {} bytes, less than the disk the guest sees",
+                    export_id(d.id()),
+                    e.info().size
+                )));
+            }
+            let st = e.stats();
+            (Arc::new(e) as Arc<dyn Engine>, Some(st))
+        };
+        let to = new.io_path().to_string();
+        let drive = d.drive.clone();
+        let old = drive.engine();
+        let ahead = {
+            let (dr, e) = (drive.clone(), new.clone());
+            offload::blocking(move || dr.open_contexts(e.as_ref()))
+                .await
+                .ok()
+        };
+        let swapped = match ahead {
+            Some(ctx) => {
+                let (dr, e) = (drive.clone(), new.clone());
+                offload::blocking(move || dr.swap_engine(e, ctx))
+                    .await
+                    .map_err(|(ctx, why)| {
+                        debug!(drive = %d.spec.id, "no overlapped repath: {why}");
+                        Some(ctx)
+                    })
+            }
+            None => Err(None),
+        };
+        let pause_us = match swapped {
+            Ok((rep, draining)) => {
+                self.release_drained(d, old, draining, &rep, &to).await;
+                rep.pause.as_micros() as u64
+            }
+            Err(ahead) => {
+                let dr = drive.clone();
+                let paused = offload::blocking(move || dr.pause()).await?;
+                let e = new.clone();
+                match offload::blocking(move || paused.resume_with(e, ahead)).await {
+                    Ok(rep) => {
+                        old.release();
+                        rep.pause.as_micros() as u64
+                    }
+                    Err((paused, e)) => {
+                        new.release();
+                        let back = old.clone();
+                        if let Err((paused, e2)) =
+                            offload::blocking(move || paused.resume(back)).await
+                        {
+                            if let Some(n) = d.log.admit() {
+                                warn!(vm = %vm.name, drive = %d.spec.id, "cannot resume the drive on its old path, holding its requests: {e2}{}", accel_dataplane::util::suppressed(n));
+                            }
+                            let _ = offload::blocking(move || paused.resume(Arc::new(HeldEngine)))
+                                .await;
+                            d.set_engine(EngineKind::Held);
+                            self.save();
+                        }
+                        return Err(SupError::Switch(e));
+                    }
+                }
+            }
+        };
+        d.commit_qemu(nbd_stats, throttle);
+        info!(vm = %vm.name, drive = %d.spec.id, to = %to, pause_us, "repathed on the qemu engine");
+        self.save();
+        Ok(())
     }
 
     /// The relay on QEMU's vhost-user-blk export of the drive (`relay=on`, made by

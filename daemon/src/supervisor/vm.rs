@@ -50,6 +50,9 @@ pub struct Vm {
     pub(super) kick: tokio::sync::Notify,
     /// Budget of the lines about this VM that repeat (attach retries).
     log: LogLimit,
+    /// Management commands the QMP proxy holds (each may drain QEMU's nodes, even all of
+    /// them): while any is, no drive relays (see [`Vm::relay_held`]).
+    pub(super) relay_holds: std::sync::atomic::AtomicUsize,
 }
 
 impl Vm {
@@ -81,7 +84,13 @@ impl Vm {
             plugging: tokio::sync::Mutex::new(()),
             kick: tokio::sync::Notify::new(),
             log: LogLimit::default(),
+            relay_holds: std::sync::atomic::AtomicUsize::new(0),
         }
+    }
+
+    /// The QMP proxy holds a management command: relayed drives serve over NBD meanwhile.
+    pub(super) fn relay_held(&self) -> bool {
+        self.relay_holds.load(Ordering::SeqCst) > 0
     }
 
     pub(super) fn qmp(&self) -> Result<Arc<Qmp>, SupError> {
@@ -505,6 +514,19 @@ impl Supervisor {
         let accel_since = lock(&d.placement).accel_since;
         // The export must be re-created with its filter in another throttle group.
         let context_stale = have.is_some() && d.group() != d.applied_group();
+        // QEMU 10.0.2's vhost-user-blk export aborts or hangs when its node is drained with
+        // requests in flight (docs/qemu-engine.md): no relay while a block job (on any of
+        // the VM's nodes: a job's end may drain more than its own) may drain it, or while
+        // the proxy holds a management command that may.
+        let job = snap.has_block_job()
+            || matches!(&decision, policy::Decision::Qemu(r) if r.iter().any(|r| matches!(r, policy::Reason::BlockJob(_))));
+        let relay_allowed = d.spec.relays() && !job && !vm.relay_held();
+        let relay_wanted = {
+            let mut g = lock(&d.graph);
+            g.relay_allowed = relay_allowed;
+            relay_allowed && g.relay_socket.is_some()
+        };
+        let relayed = d.relayed();
         let p = plan::plan(&PlanInput {
             decision: &decision,
             engine: d.engine_kind(),
@@ -517,6 +539,8 @@ impl Supervisor {
             quiet_period: self.cfg.quiet_period(),
             urgent,
             migrating,
+            relayed,
+            relay_wanted,
         });
         match p.timer {
             Timer::Keep => {}

@@ -43,6 +43,9 @@ mod state;
 
 use queue::RelayQueue;
 pub use session::RelayStats;
+
+/// The relay's `io_path` in status: QEMU's vhost-user-blk export.
+pub const IO_PATH: &str = "vhost-user";
 use session::{shutdown, watch, Exported, QueueSlot, Session};
 use shadow::{Shadow, RING_SIZE, SHADOW_GPA};
 use state::QueueState;
@@ -207,7 +210,7 @@ impl Engine for RelayEngine {
         EngineKind::Qemu
     }
     fn io_path(&self) -> &str {
-        "vhost-user"
+        IO_PATH
     }
     fn buffer_alignment(&self) -> u32 {
         1
