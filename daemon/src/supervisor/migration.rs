@@ -116,13 +116,35 @@ impl Supervisor {
     /// NBD connection, and at the switchover QEMU's main thread waits for acceld's drain of
     /// exactly those writes (a stall seen in about one run in six). The rest is copied when
     /// acceld ends the mirror at pre-switchover, with the VM stopped.
+    ///
+    /// A relayed drive moves to NBD first (the VM's relay hold, as the QMP proxy takes it for
+    /// a management command that names nodes): starting the mirror drains the node, and QEMU
+    /// 10.0.2's vhost-user-blk export aborts when its node is drained under I/O. Once the job
+    /// exists the hold goes back; the job itself keeps the drive off the relay until it ends.
     pub async fn mirror_to(
-        &self,
+        self: &Arc<Self>,
         vm: &str,
         drive: &str,
         socket: &std::path::Path,
         export: &str,
     ) -> Result<serde_json::Value, SupError> {
+        self.hold_relay(vm, true).await?;
+        let started = self.start_mirror(vm, drive, socket, export).await;
+        if let Err(e) = self.hold_relay(vm, false).await {
+            warn!(vm, drive, "cannot give the relay hold back: {}", e.chain());
+        }
+        let (qmp, id) = started?;
+        self.wait_mirror_ready(vm, drive, &qmp, &id).await
+    }
+
+    /// Adds the mirror's target node and starts the mirror job.
+    async fn start_mirror(
+        &self,
+        vm: &str,
+        drive: &str,
+        socket: &std::path::Path,
+        export: &str,
+    ) -> Result<(Arc<Qmp>, String), SupError> {
         let vmr = self.vm(vm)?;
         let d = vmr.drive(drive)?;
         let qmp = vmr.qmp()?;
@@ -159,13 +181,24 @@ impl Supervisor {
             .await;
             return Err(e);
         }
+        Ok((qmp, id))
+    }
+
+    /// Waits for the mirror job of drive `id` to be READY.
+    async fn wait_mirror_ready(
+        &self,
+        vm: &str,
+        drive: &str,
+        qmp: &Qmp,
+        id: &str,
+    ) -> Result<serde_json::Value, SupError> {
         let t0 = std::time::Instant::now();
         loop {
-            let jobs = qmp_run(&qmp, &QueryBlockJobs).await?;
-            let Some(j) = jobs.iter().find(|j| j["device"] == mirror_job(&id)) else {
+            let jobs = qmp_run(qmp, &QueryBlockJobs).await?;
+            let Some(j) = jobs.iter().find(|j| j["device"] == mirror_job(id)) else {
                 return Err(SupError::QemuState(format!(
                     "keep the mirror job {} (it ended before it was in sync)",
-                    mirror_job(&id)
+                    mirror_job(id)
                 )));
             };
             if j["ready"] == true {
@@ -175,13 +208,13 @@ impl Supervisor {
                     took_ms = t0.elapsed().as_millis() as u64,
                     "copy-storage: mirror in sync"
                 );
-                return Ok(serde_json::json!({"job": mirror_job(&id), "ready": true,
+                return Ok(serde_json::json!({"job": mirror_job(id), "ready": true,
                     "len": j["len"], "took_ms": t0.elapsed().as_millis() as u64}));
             }
             if t0.elapsed() > MIRROR_READY {
                 return Err(SupError::QemuState(format!(
                     "bring mirror {} in sync within {MIRROR_READY:?}",
-                    mirror_job(&id)
+                    mirror_job(id)
                 )));
             }
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
