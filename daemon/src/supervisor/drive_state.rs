@@ -78,7 +78,7 @@ pub struct GraphRecord {
     /// engine), while it exists.
     pub lend_socket: Option<std::path::PathBuf>,
     /// The socket of QEMU's vhost-user-blk export the requests are relayed through
-    /// (`relay=on`, qemu engine), while it exists.
+    /// (the default on the qemu engine), while it exists.
     pub relay_socket: Option<std::path::PathBuf>,
     /// The relay may serve the drive now (the last look at QEMU found no block job on it,
     /// and the VM's QMP proxy holds no command): a bring-up of the qemu engine relays only

@@ -55,9 +55,10 @@ pub struct PlanInput<'a> {
     /// On the qemu engine, the requests go through the relay (QEMU's vhost-user-blk export)
     /// now, not NBD.
     pub relayed: bool,
-    /// The relay may serve the drive: `relay=on`, its export is up, and nothing that drains
-    /// QEMU's node is under way (a management command the QMP proxy holds, a block job):
-    /// QEMU 10.0.2's export aborts or hangs when its node is drained with requests in flight.
+    /// The relay may serve the drive: the spec relays (the default), its export is up, and
+    /// nothing that drains QEMU's node is under way (a management command the QMP proxy
+    /// holds, a block job): QEMU 10.0.2's export aborts or hangs when its node is drained
+    /// with requests in flight.
     pub relay_wanted: bool,
 }
 

@@ -34,7 +34,7 @@ pub(super) fn lend_socket(nbd_socket: &Path, drive: &str) -> std::path::PathBuf 
     nbd_socket.with_file_name(format!("lend-{drive}.sock"))
 }
 /// QEMU's vhost-user-blk export of the drive's node that acceld relays requests through
-/// (`relay=on`), with rings of acceld's own.
+/// (the default; `nbd=on` turns it off), with rings of acceld's own.
 pub(super) fn relay_export_id(drive: &str) -> String {
     format!("accel-relay-{drive}")
 }

@@ -523,7 +523,7 @@ impl Supervisor {
         Ok(())
     }
 
-    /// The relay on QEMU's vhost-user-blk export of the drive (`relay=on`, made by
+    /// The relay on QEMU's vhost-user-blk export of the drive (the default, made by
     /// `qemu_up`), or None (logged) when there is no export or its session cannot be set up:
     /// the drive then goes over NBD, and the export is removed.
     async fn relay_engine(
