@@ -207,12 +207,55 @@ const HANDLERS: &[(&str, Handler)] = &[
     ),
 ];
 
-/// The proxy's answer to a command of a management client.
+/// The proxy's answer to a command of a management client. A command that may drain QEMU's
+/// block nodes runs with the VM's drives off the relay ([`may_drain`]).
 pub async fn command(ctx: &Ctx, name: &str, args: Args) -> Reply {
-    match HANDLERS.iter().find(|(n, _)| *n == name) {
+    let relay = if may_drain(name, &args) {
+        Some(hold(ctx, &[], name).await?)
+    } else {
+        None
+    };
+    let r = match HANDLERS.iter().find(|(n, _)| *n == name) {
         Some((_, h)) => h(ctx, name, args).await,
         None => unhandled(ctx, name, args).await,
+    };
+    if let Some(held) = relay {
+        release(ctx, held).await;
     }
+    r
+}
+
+/// Commands that may drain QEMU's block nodes: every block, export, NBD server, job and VM
+/// snapshot command (a node or an export that goes drains its node, `nbd-server-stop` ends
+/// every NBD export, a job's step drains its nodes), `transaction`, `object-del` (a throttle
+/// group, an iothread), `device_del`, and HMP but its `info` commands. QEMU 10.0.2's
+/// vhost-user-blk export aborts or hangs when its node is drained with requests in flight,
+/// so these never meet a relayed drive (docs/qemu-engine.md).
+fn may_drain(cmd: &str, args: &Args) -> bool {
+    if cmd == "human-monitor-command" {
+        let line = arg(args, "command-line")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        return !line.trim_start().starts_with("info");
+    }
+    const PREFIXES: &[&str] = &[
+        "blockdev-",
+        "block-",
+        "block_",
+        "drive-",
+        "x-blockdev-",
+        "nbd-",
+        "job-",
+        "snapshot-",
+    ];
+    const OTHERS: &[&str] = &[
+        "transaction",
+        "change-backing-file",
+        "object-del",
+        "device_del",
+        "eject",
+    ];
+    names_nodes(cmd) || PREFIXES.iter().any(|p| cmd.starts_with(p)) || OTHERS.contains(&cmd)
 }
 
 /// A command without a handler (or one its handler leaves alone): forwarded, with the
@@ -656,6 +699,43 @@ mod tests {
         }
         for name in NODE_COMMANDS.iter().chain(NOT_NODE_COMMANDS) {
             assert!(known.contains(name), "{name}: not a QEMU 10.0.2 command");
+        }
+    }
+
+    /// Which commands keep the relay off while QEMU runs them.
+    #[test]
+    fn commands_that_may_drain_nodes() {
+        let known = qemu_commands();
+        let hmp = |line: &str| Some(json!({"command-line": line}).as_object().cloned().unwrap());
+        for (cmd, args, drains) in [
+            ("nbd-server-stop", None, true),
+            ("nbd-server-remove", None, true),
+            ("block-export-del", None, true),
+            ("blockdev-del", None, true),
+            ("blockdev-add", None, true),
+            ("block-job-complete", None, true),
+            ("job-dismiss", None, true),
+            ("snapshot-save", None, true),
+            ("transaction", None, true),
+            ("object-del", None, true),
+            ("device_del", None, true),
+            ("human-monitor-command", hmp("savevm s1"), true),
+            ("human-monitor-command", hmp("  info block"), false),
+            ("query-block", None, false),
+            ("query-blockstats", None, false),
+            ("query-named-block-nodes", None, false),
+            ("qom-get", None, false),
+            ("qom-set", None, false),
+            ("stop", None, false),
+            ("cont", None, false),
+            ("device_add", None, false),
+        ] {
+            assert!(known.contains(&cmd), "{cmd}: a QEMU command");
+            assert_eq!(may_drain(cmd, &args), drains, "{cmd} {args:?}");
+        }
+        // Every command that holds the drives it names also keeps the relay off.
+        for c in known.iter().filter(|c| names_nodes(c)) {
+            assert!(may_drain(c, &None), "{c}");
         }
     }
 
