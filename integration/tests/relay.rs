@@ -338,3 +338,87 @@ fn a_relayed_drive_steps_onto_nbd_for_a_snapshot_and_an_active_commit() -> Resul
     assert_eq!(qcow2_md5(&img, 8 * 64 * 4096)?, md5);
     Ok(())
 }
+
+/// QEMU's vhost-user-blk export of a relayed drive goes away under guest writes (deleted
+/// with `block-export-del` on a monitor of QEMU's own, as a crashing export or an operator
+/// would end it): the requests in flight on it and the ones after are held, not failed; the
+/// drive moves to acceld's NBD export of the same node (once QEMU finished what the export
+/// had taken), where they complete; later the relay is made again. The guest sees no error
+/// and nothing it wrote is lost.
+#[test]
+fn an_export_that_dies_under_load_costs_the_guest_nothing() -> Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("accel-relay-lost")
+        .tempdir_in("/var/tmp")?;
+    let run = dir.path().join("run");
+    let img = dir.path().join("d0.qcow2");
+    create_qcow2(&img, "64M")?;
+    let qmp = dir.path().join("qmp.sock");
+    let tq = dir.path().join("test-qmp.sock");
+    let acc = AcceldRun::start(&run, CONFIG)?;
+    acc.register(
+        "vm1",
+        &qmp,
+        &format!(
+            "id=d0,image={},format=qcow2,queues=2,werror=report",
+            img.display()
+        ),
+        &["--cont"],
+    )?;
+    let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 8, 64))?;
+    g.wait_for("READY", Duration::from_secs(120))
+        .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
+    wait_drive(&acc, "relayed", relayed)?;
+    let t = SideQmp::connect(&tq)?;
+    let at = g.progress()?;
+    let errors0 = acc.drive("vm1", "d0")?["io"]["errors"]
+        .as_u64()
+        .unwrap_or(0);
+
+    // The export goes with the guest's writes on it (werror=report: a failed write would
+    // reach the guest, whose verifier would fail).
+    t.cmd(
+        "block-export-del",
+        json!({"id": "accel-relay-d0", "mode": "hard"}),
+    )?;
+    let d = wait_drive(&acc, "over NBD after the export went", |d| {
+        d["engine"] == "qemu" && d["io_path"] == "nbd" && d["io"]["held_requests"] == 0
+    })?;
+    let at = g
+        .progress_beyond(at)
+        .map_err(|e| anyhow::anyhow!("over NBD: {e}\n{}", acc.log_text()))?;
+    let log = plain(&acc.log_text());
+    assert!(
+        log.contains("the relay's session with QEMU's export ended"),
+        "{log}"
+    );
+    assert_eq!(
+        d["io"]["errors"].as_u64().unwrap_or(0),
+        errors0,
+        "no request failed: {d}"
+    );
+
+    // The relay comes back (a new export, a new session) and serves on.
+    let t0 = Instant::now();
+    let d = loop {
+        let d = acc.drive("vm1", "d0")?;
+        if relayed(&d) {
+            break d;
+        }
+        if t0.elapsed() > Duration::from_secs(40) {
+            bail!("not relayed again within 40 s: {d}\n{}", acc.log_text());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(relay_exports(&t)?.len(), 1, "a new export: {d}");
+    g.progress_beyond(at)?;
+    let d = acc.drive("vm1", "d0")?;
+    assert_eq!(
+        d["io"]["errors"].as_u64().unwrap_or(0),
+        errors0,
+        "no request failed: {d}"
+    );
+    let md5 = finish_guest(&mut g, &acc)?;
+    assert_eq!(qcow2_md5(&img, 8 * 64 * 4096)?, md5);
+    Ok(())
+}

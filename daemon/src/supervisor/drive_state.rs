@@ -84,6 +84,9 @@ pub struct GraphRecord {
     /// and the VM's QMP proxy holds no command): a bring-up of the qemu engine relays only
     /// then, otherwise it serves over NBD (see [`super::plan::PlanInput::relay_wanted`]).
     pub relay_allowed: bool,
+    /// When the relay's session last ended under the drive (it then serves over NBD; the
+    /// relay is tried again [`super::vm::RELAY_RETRY`] later).
+    pub relay_lost_at: Option<Instant>,
 }
 
 #[derive(Debug, Default)]

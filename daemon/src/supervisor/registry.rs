@@ -336,6 +336,7 @@ impl Supervisor {
                 lend_socket: None,
                 relay_socket: None,
                 relay_allowed: false,
+                relay_lost_at: None,
             },
         )))
     }

@@ -435,7 +435,7 @@ impl Supervisor {
     /// node, so the move overlaps: new requests go to the new path at once and those in
     /// flight finish on the old one. When the relay cannot be reached the drive stays on NBD
     /// (logged); when the overlap is refused (held requests), an ordinary pause hands over.
-    async fn repath(
+    pub(super) async fn repath(
         &self,
         vm: &Arc<Vm>,
         d: &Arc<ManagedDrive>,
@@ -542,6 +542,8 @@ impl Supervisor {
                 // The registered image (the permit names it; a path QEMU pivoted to is
                 // not asked): its file system tells ENOSPC from EIO.
                 r.set_image(d.spec.image.clone());
+                // A session that ends holds the requests; `reconcile` moves the drive to NBD.
+                r.hold_when_lost();
                 return Some(Arc::new(r));
             }
             Ok(r) => format!(

@@ -521,6 +521,7 @@ impl Supervisor {
         let job = snap.has_block_job()
             || matches!(&decision, policy::Decision::Qemu(r) if r.iter().any(|r| matches!(r, policy::Reason::BlockJob(_))));
         let relay_allowed = d.spec.relays() && !job && !vm.relay_held();
+        self.relay_lost_or_back(vm, d, qmp, relay_allowed).await?;
         let relay_wanted = {
             let mut g = lock(&d.graph);
             g.relay_allowed = relay_allowed;
@@ -557,6 +558,47 @@ impl Supervisor {
         self.execute(vm, d, qmp, p.action).await
     }
 }
+
+impl Supervisor {
+    /// The relay's session ended under a relayed drive (QEMU's export deleted or failed, a
+    /// used ring it got wrong): its requests are held (`PATH_LOST`). QEMU's export goes
+    /// first, which QEMU finishes only after the requests it took completed, so nothing of
+    /// the old session can land after their retry; then the drive repaths to NBD, where the
+    /// held requests go through. `RELAY_RETRY` later the relay is made again.
+    async fn relay_lost_or_back(
+        &self,
+        vm: &Arc<Vm>,
+        d: &Arc<ManagedDrive>,
+        qmp: &Arc<Qmp>,
+        relay_allowed: bool,
+    ) -> Result<(), SupError> {
+        if d.relayed() && d.drive.engine().lost() {
+            if let Some(n) = d.log.admit() {
+                warn!(vm = %vm.name, drive = %d.spec.id, "the relay's session with QEMU's export ended; holding the requests and serving over NBD{}", accel_dataplane::util::suppressed(n));
+            }
+            lock(&d.graph).relay_lost_at = Some(Instant::now());
+            self.relay_down(d, qmp).await?;
+            // Whatever the plan wants next: an overlapped switch is the only one a drive with
+            // held requests can make, and NBD takes the held requests as they are.
+            return self.repath(vm, d, qmp, false).await;
+        }
+        let retry = {
+            let g = lock(&d.graph);
+            relay_allowed
+                && g.relay_socket.is_none()
+                && g.relay_lost_at.is_some_and(|t| t.elapsed() >= RELAY_RETRY)
+        };
+        if retry && d.engine_kind() == accel_api::status::EngineKind::Qemu && !d.relayed() {
+            lock(&d.graph).relay_lost_at = None;
+            self.ensure_relay_export(vm, d, qmp).await;
+        }
+        Ok(())
+    }
+}
+
+/// How long a drive whose relay session ended serves over NBD before the relay is tried
+/// again (a session that keeps ending costs one repath each time, no more).
+pub(super) const RELAY_RETRY: Duration = Duration::from_secs(10);
 
 /// Maps each registered drive to its vhost-user-blk-pci device, by socket path.
 async fn find_devices(vm: &Vm, qmp: &Qmp) -> Result<(), SupError> {

@@ -146,8 +146,10 @@ impl Drive {
                 .any(|(i, d, _)| *i == w.index() && *d == w.depth())
         });
         // Held requests (werror) would keep the old engine until the error clears: such a
-        // drive drains (and rolls back on the drain's timeout) as before.
-        let holding = self.stats.held_requests.load(Ordering::Relaxed) > 0;
+        // drive drains (and rolls back on the drain's timeout) as before. Unless the old
+        // engine's path is gone: its held requests (PATH_LOST) are in flight nowhere, and
+        // their next retry goes to the new engine.
+        let holding = self.stats.held_requests.load(Ordering::Relaxed) > 0 && !self.engine().lost();
         if !covered || holding || lock(&self.engine).paused || new.holds() {
             drop(a);
             self.switching.store(false, Ordering::Release);

@@ -101,6 +101,12 @@ pub enum IoOp {
     },
 }
 
+/// The result of a request whose path was lost under it, when its engine was told a
+/// fallback exists (the relay's `hold_when_lost`): not the storage's failure, so the worker
+/// holds the request whatever the drive's error policy and retries it, on whichever engine
+/// is current by then, once the supervisor moved the drive (an overlapped switch).
+pub const PATH_LOST: i32 = -libc::ENOTCONN;
+
 /// A queue's private I/O context. Results are bytes transferred or a negative errno.
 pub trait QueueIo: Send {
     /// Queues one operation under `token`; it is sent at the next [`QueueIo::submit`].
@@ -136,6 +142,12 @@ pub trait Engine: Send + Sync {
     fn is_block_device(&self) -> bool;
     /// Whether queues on this engine stay paused (requests wait in the vring).
     fn holds(&self) -> bool {
+        false
+    }
+    /// Whether the path under the engine is gone for good (the relay's session with QEMU's
+    /// export ended). Requests on it then fail with [`PATH_LOST`] or EIO (see
+    /// `RelayEngine::hold_when_lost`), and the engine is of no more use.
+    fn lost(&self) -> bool {
         false
     }
     /// Gives the storage up for another user after a drain: drops image locks, closes

@@ -135,6 +135,7 @@ impl RelayEngine {
             write_cache: Mutex::new(None),
             write_through: AtomicBool::new(false),
             dead: AtomicBool::new(false),
+            hold_when_lost: AtomicBool::new(false),
             why: Mutex::new(None),
             ended: std::sync::Condvar::new(),
             stats: RelayStats::default(),
@@ -158,6 +159,14 @@ impl RelayEngine {
     /// holds it as on the other engines. Set once; later calls change nothing.
     pub fn set_image(&self, path: PathBuf) {
         let _ = self.s.image.set(path);
+    }
+
+    /// Once the session ends, requests fail with [`crate::engine::PATH_LOST`] (the worker
+    /// holds them, the guest sees nothing) instead of EIO: for a supervisor that then moves
+    /// the drive to NBD (it sees [`Engine::lost`]). Without one (`acceld serve --relay-to`)
+    /// nothing would ever release them.
+    pub fn hold_when_lost(&self) {
+        self.s.hold_when_lost.store(true, Ordering::Release);
     }
 
     /// What the export said of itself at set-up.
@@ -220,6 +229,9 @@ impl Engine for RelayEngine {
     }
     fn release(&self) {
         self.close();
+    }
+    fn lost(&self) -> bool {
+        self.s.is_dead()
     }
 
     fn open_queue(

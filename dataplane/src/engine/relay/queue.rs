@@ -230,10 +230,11 @@ impl RelayQueue {
             return;
         }
         self.failed = true;
+        let lost = self.s.lost_errno();
         let st = self.st.as_mut().expect("state");
         for h in &mut st.heads {
             if let Head::Busy(b) = *h {
-                self.done.push((b.token, -libc::EIO));
+                self.done.push((b.token, lost));
                 *h = Head::Orphan;
             }
         }
@@ -342,7 +343,7 @@ impl QueueIo for RelayQueue {
     unsafe fn push(&mut self, op: &IoOp, token: u64) -> bool {
         if self.failed || self.s.is_dead() {
             self.fail_all();
-            self.complete_now(token, -libc::EIO);
+            self.complete_now(token, self.s.lost_errno());
             return true;
         }
         let features = self.s.cfg.features;
@@ -369,7 +370,7 @@ impl QueueIo for RelayQueue {
                         if let Err(why) = self.s.set_write_cache(!dsync) {
                             self.s.fail(&why);
                             self.fail_all();
-                            self.complete_now(token, -libc::EIO);
+                            self.complete_now(token, self.s.lost_errno());
                             return true;
                         }
                     } else {

@@ -67,6 +67,9 @@ pub(crate) struct Session {
     /// Whether the export's write cache is off now (read per write, without the lock).
     pub(crate) write_through: AtomicBool,
     pub(crate) dead: AtomicBool,
+    /// Requests fail with [`crate::engine::PATH_LOST`] rather than EIO once the session
+    /// ended: a supervisor moves the drive to another path (`RelayEngine::hold_when_lost`).
+    pub(crate) hold_when_lost: AtomicBool,
     pub(crate) why: Mutex<Option<String>>,
     /// Signalled when `why` is set.
     pub(crate) ended: std::sync::Condvar,
@@ -81,6 +84,15 @@ pub(crate) struct Session {
 impl Session {
     pub(crate) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
+    }
+
+    /// What a request gets once the session ended.
+    pub(crate) fn lost_errno(&self) -> i32 {
+        if self.hold_when_lost.load(Ordering::Acquire) {
+            crate::engine::PATH_LOST
+        } else {
+            -libc::EIO
+        }
     }
 
     /// Ends the session: every queue fails what it has in flight at its next reap.

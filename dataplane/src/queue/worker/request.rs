@@ -370,6 +370,11 @@ impl Worker {
         let read = self.slots[idx].is_read();
         let cfg = self.drive.config();
         let policy = if read { cfg.rerror } else { cfg.werror };
+        if res == crate::engine::PATH_LOST {
+            // Not the storage's failure: the supervisor moves the drive to another path,
+            // where the retry goes.
+            return self.hold(idx, res);
+        }
         match policy {
             ErrorPolicy::Stop => return self.hold(idx, res),
             ErrorPolicy::Enospc if res == -libc::ENOSPC => return self.hold(idx, res),
@@ -517,6 +522,11 @@ impl Worker {
 
     /// Submits a held request again from where it stopped.
     fn redo(&mut self, idx: usize) {
+        // A held request is in flight on no engine: after an overlapped switch its retry
+        // goes to the current one (the old one may be a path that is gone).
+        if std::mem::take(&mut self.slots[idx].on_old) && self.engines.old_finished() {
+            self.retire_old();
+        }
         let req = &mut self.slots[idx];
         req.retried = true;
         match (req.stage, req.op) {
