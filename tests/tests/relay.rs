@@ -229,6 +229,101 @@ fn an_export_that_goes_away_fails_requests_and_hangs_nothing() {
     assert_eq!(fe.request(0, T_GET_ID, 0, &[], 20).unwrap().0, S_OK);
 }
 
+/// With a supervisor's fallback (`hold_when_lost`), the export's end holds requests instead
+/// of failing them, whatever the error policy, and an overlapped switch to another engine
+/// takes them (the old path is lost, so held requests do not stop the swap): they complete
+/// there, on the image, and the old engine drains without them.
+#[test]
+fn a_lost_export_holds_requests_until_another_engine_takes_them() {
+    use std::os::unix::fs::FileExt;
+    let mut su = setup(
+        1,
+        ServerOptions {
+            werror: ErrorPolicy::Report,
+            rerror: ErrorPolicy::Report,
+            ..Default::default()
+        },
+    );
+    su.relay.hold_when_lost(true);
+    let mut fe = frontend(&su.s, 1);
+    assert_eq!(fe.request(0, T_IN, 0, &[], 4096).unwrap().0, S_OK);
+    su.qsd.kill();
+    assert!(su
+        .relay
+        .wait_failed(std::time::Duration::from_secs(10))
+        .is_some());
+    assert!(su.relay.lost());
+    // A write after the end: held, not answered.
+    let at = 4096 * 77;
+    let slot = fe.slot(0, 1);
+    fe.mem
+        .write(slot.header, &accel_tests::header(T_OUT, at / 512));
+    fe.mem.fill(slot.data, 4096, 0xc3);
+    fe.mem.write(slot.status, &[0xff]);
+    let head = fe
+        .submit_chain(
+            0,
+            &[
+                accel_tests::Buf::r(slot.header, 16),
+                accel_tests::Buf::r(slot.data, 4096),
+                accel_tests::Buf::w(slot.status, 1),
+            ],
+            None,
+        )
+        .unwrap();
+    let stats = &su.s.drive.stats;
+    let t0 = std::time::Instant::now();
+    while stats.held_requests.load(Ordering::Relaxed) == 0 {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "not held"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let mut used = Vec::new();
+    fe.poll_used(0, &mut used);
+    assert!(
+        used.iter().all(|u: &accel_tests::Used| u.head != head),
+        "answered while held"
+    );
+
+    let new: Arc<dyn Engine> =
+        accel_tests::harness::file_engine(&su.s.image, &ServerOptions::default());
+    let ahead = su.s.drive.open_contexts(new.as_ref()).unwrap();
+    let (rep, draining) = match su.s.drive.swap_engine(new, ahead) {
+        Ok(r) => r,
+        Err((_, e)) => {
+            // The held write fails at its next retry, so the server's drop does not wait
+            // for it.
+            su.relay.hold_when_lost(false);
+            panic!("no overlapped swap off a lost path with a request held: {e}");
+        }
+    };
+    assert_eq!(
+        (rep.from.as_str(), rep.to.as_str()),
+        ("vhost-user", "io_uring")
+    );
+    let t0 = std::time::Instant::now();
+    while !used.iter().any(|u| u.head == head) {
+        fe.wait_used(0, &mut used, std::time::Duration::from_secs(10))
+            .unwrap();
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20));
+    }
+    let mut st = [0u8];
+    fe.mem.read(slot.status, &mut st);
+    assert_eq!(st[0], S_OK, "the held write went through on the new engine");
+    assert!(draining.wait(std::time::Duration::from_secs(10)).is_ok());
+    assert_eq!(stats.io_errors.load(Ordering::Relaxed), 0);
+    assert_eq!(stats.held_requests.load(Ordering::Relaxed), 0);
+    let mut b = vec![0u8; 4096];
+    std::fs::File::open(&su.s.image)
+        .unwrap()
+        .read_exact_at(&mut b, at)
+        .unwrap();
+    assert!(b.iter().all(|&x| x == 0xc3), "the write is on the image");
+    assert_eq!(fe.request(0, T_IN, 0, &[], 4096).unwrap().0, S_OK);
+}
+
 /// How a hostile export answers the first request it is kicked for.
 #[derive(Clone, Copy, Debug)]
 enum Lie {

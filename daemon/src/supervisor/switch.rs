@@ -543,7 +543,7 @@ impl Supervisor {
                 // not asked): its file system tells ENOSPC from EIO.
                 r.set_image(d.spec.image.clone());
                 // A session that ends holds the requests; `reconcile` moves the drive to NBD.
-                r.hold_when_lost();
+                r.hold_when_lost(true);
                 return Some(Arc::new(r));
             }
             Ok(r) => format!(

@@ -164,9 +164,10 @@ impl RelayEngine {
     /// Once the session ends, requests fail with [`crate::engine::PATH_LOST`] (the worker
     /// holds them, the guest sees nothing) instead of EIO: for a supervisor that then moves
     /// the drive to NBD (it sees [`Engine::lost`]). Without one (`acceld serve --relay-to`)
-    /// nothing would ever release them.
-    pub fn hold_when_lost(&self) {
-        self.s.hold_when_lost.store(true, Ordering::Release);
+    /// nothing would ever release them. `false` goes back to EIO (a held request's next
+    /// retry fails then).
+    pub fn hold_when_lost(&self, on: bool) {
+        self.s.hold_when_lost.store(on, Ordering::Release);
     }
 
     /// What the export said of itself at set-up.
