@@ -28,6 +28,10 @@ pub struct SwitchBenchOpts {
     /// pauses are reported too.
     #[arg(long)]
     pub lend: bool,
+    /// Register the drive with `nbd=on`: the qemu engine serves over NBD instead of relaying
+    /// through QEMU's vhost-user-blk export (the default).
+    #[arg(long, conflicts_with = "lend")]
+    pub nbd: bool,
 }
 
 pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
@@ -50,7 +54,13 @@ pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
         &format!(
             "id=d0,image={},queues=2{}",
             img.display(),
-            if o.lend { ",lend=on" } else { "" }
+            if o.lend {
+                ",lend=on"
+            } else if o.nbd {
+                ",nbd=on"
+            } else {
+                ""
+            }
         ),
         &["--cont"],
     )?;
@@ -65,9 +75,16 @@ pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
     acc.wait_engine("vm1", "d0", "direct", Duration::from_secs(30))?;
     vm.guest.wait_for("progress=", Duration::from_secs(60))?;
     let t0 = Instant::now();
+    // The I/O path each switch to the qemu engine landed on.
+    let mut paths = std::collections::BTreeMap::<String, u32>::new();
     for _ in 0..o.rounds {
         acc.ctl_ok(&["handback", "vm1", "d0"])?;
         acc.wait_engine("vm1", "d0", "qemu", Duration::from_secs(30))?;
+        let p = acc.drive("vm1", "d0")?["io_path"]
+            .as_str()
+            .unwrap_or("?")
+            .to_string();
+        *paths.entry(p).or_default() += 1;
         if o.lend {
             let t = Instant::now();
             while acc.drive("vm1", "d0")?["lend"]["lent"] != true {
@@ -101,7 +118,18 @@ pub fn switch_bench(o: &SwitchBenchOpts) -> Result<()> {
         o.rounds,
         took.as_secs_f64(),
         o.writers,
-        if o.lend { ", lend=on" } else { "" }
+        if o.lend {
+            ", lend=on"
+        } else if o.nbd {
+            ", nbd=on"
+        } else {
+            ""
+        }
+    );
+    let paths: Vec<String> = paths.iter().map(|(p, n)| format!("{p} x{n}")).collect();
+    println!(
+        "qemu engine's I/O path after each switch: {}",
+        paths.join(", ")
     );
     println!("| direction | switches | pause p50 ms | p99 ms | max ms |");
     println!("|---|---|---|---|---|");
