@@ -422,3 +422,60 @@ fn an_export_that_dies_under_load_costs_the_guest_nothing() -> Result<()> {
     assert_eq!(qcow2_md5(&img, 8 * 64 * 4096)?, md5);
     Ok(())
 }
+
+/// acceld's own graph changes on a relayed drive (a throttle put on a qcow2 drive inserts
+/// QEMU's throttle filter and moves both exports onto it; clearing it takes the filter out):
+/// under guest writes, QEMU neither aborts nor hangs, the drive is relayed again after each,
+/// and nothing the guest wrote is lost.
+#[test]
+fn a_relayed_qcow2_drive_takes_a_throttle_and_loses_it_under_guest_writes() -> Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("accel-relay-thr")
+        .tempdir_in("/var/tmp")?;
+    let run = dir.path().join("run");
+    let img = dir.path().join("d0.qcow2");
+    create_qcow2(&img, "64M")?;
+    let qmp = dir.path().join("qmp.sock");
+    let tq = dir.path().join("test-qmp.sock");
+    let acc = AcceldRun::start(&run, CONFIG)?;
+    acc.register(
+        "vm1",
+        &qmp,
+        &format!("id=d0,image={},format=qcow2,queues=2", img.display()),
+        &["--cont"],
+    )?;
+    let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 8, 64))?;
+    g.wait_for("READY", Duration::from_secs(120))
+        .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
+    wait_drive(&acc, "relayed", relayed)?;
+    let t = SideQmp::connect(&tq)?;
+    let mut at = g.progress()?;
+    for round in 0..3 {
+        acc.ctl_ok(&["throttle", "vm1", "d0", "--iops-total", "100000"])?;
+        let d = wait_drive(&acc, "relayed through the filter", |d| {
+            relayed(d) && !d["throttle"].is_null()
+        })?;
+        let ex = relay_exports(&t)?;
+        assert_eq!(ex.len(), 1, "{ex:?} {d}");
+        assert!(
+            ex[0]["node-name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("accel-throttle-")),
+            "{ex:?}"
+        );
+        at = g
+            .progress_beyond(at)
+            .map_err(|e| anyhow::anyhow!("round {round}, throttled: {e}\n{}", acc.log_text()))?;
+        acc.ctl_ok(&["throttle", "vm1", "d0", "--clear"])?;
+        wait_drive(&acc, "relayed without the filter", |d| {
+            relayed(d) && d["throttle"].is_null()
+        })?;
+        at = g
+            .progress_beyond(at)
+            .map_err(|e| anyhow::anyhow!("round {round}, cleared: {e}\n{}", acc.log_text()))?;
+    }
+    assert_eq!(t.cmd("query-status", json!({}))?["status"], "running");
+    let md5 = finish_guest(&mut g, &acc)?;
+    assert_eq!(qcow2_md5(&img, 8 * 64 * 4096)?, md5);
+    Ok(())
+}
