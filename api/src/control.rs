@@ -72,6 +72,11 @@ pub struct DriveSpec {
     /// only, and `lend=on` lends the rings instead. See docs/qemu-engine.md.
     #[serde(default = "default_true", skip_serializing_if = "is_true")]
     pub relay: bool,
+    /// `relay=on` said so: relay even when QEMU has a monitor acceld does not see (by
+    /// default such a VM's drives serve over NBD: a block command sent there would drain a
+    /// relayed node behind acceld's back, which QEMU 10.0.2 does not survive).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub relay_asked: bool,
 }
 
 /// What a failed request does, as QEMU's `werror`/`rerror` (`BlockdevOnError`).
@@ -234,8 +239,8 @@ impl DriveSpec {
             throttle: None,
             lend: false,
             relay: true,
+            relay_asked: false,
         };
-        let mut relay_asked = false;
         for kv in s.split(',') {
             let (k, v) = kv
                 .split_once('=')
@@ -268,9 +273,12 @@ impl DriveSpec {
                 "lend" => d.lend = on_off(k, v)?,
                 "relay" => {
                     d.relay = on_off(k, v)?;
-                    relay_asked = d.relay;
+                    d.relay_asked = d.relay;
                 }
-                "nbd" => d.relay = !on_off(k, v)?,
+                "nbd" => {
+                    d.relay = !on_off(k, v)?;
+                    d.relay_asked &= d.relay;
+                }
                 "writeback" => d.writeback = Some(on_off(k, v)?),
                 "logical-block-size" => {
                     d.logical_block_size = match v {
@@ -288,7 +296,7 @@ impl DriveSpec {
         }
         d.id = id.ok_or_else(|| SpecError("missing id=".into()))?;
         d.image = image.ok_or_else(|| SpecError("missing image=".into()))?;
-        if d.lend && relay_asked {
+        if d.lend && d.relay_asked {
             return Err(SpecError(
                 "lend=on and relay=on: QEMU's export takes one front-end, choose one".into(),
             ));
@@ -626,20 +634,22 @@ mod tests {
         assert_eq!(d.serial.as_deref(), Some("S1"));
         assert_eq!(d.format, "raw");
         assert!(d.relays(), "the relay is the qemu engine's default");
-        for (spec, relays) in [
-            ("id=d0,image=/x/d.qcow2,format=qcow2,relay=on", true),
-            ("id=d0,image=/x/d.qcow2,relay=off", false),
-            ("id=d0,image=/x/d.qcow2,nbd=on", false),
-            ("id=d0,image=/x/d.qcow2,relay=on,nbd=off", true),
-            ("id=d0,image=/x/d.qcow2,lend=on", false),
+        assert!(!d.relay_asked, "relayed by default, not asked for");
+        for (spec, relays, asked) in [
+            ("id=d0,image=/x/d.qcow2,format=qcow2,relay=on", true, true),
+            ("id=d0,image=/x/d.qcow2,relay=off", false, false),
+            ("id=d0,image=/x/d.qcow2,nbd=on", false, false),
+            ("id=d0,image=/x/d.qcow2,relay=on,nbd=off", true, true),
+            ("id=d0,image=/x/d.qcow2,relay=on,nbd=on", false, false),
+            ("id=d0,image=/x/d.qcow2,lend=on", false, false),
         ] {
             let r = DriveSpec::parse(spec).unwrap();
-            assert_eq!(r.relays(), relays, "{spec}");
+            assert_eq!((r.relays(), r.relay_asked), (relays, asked), "{spec}");
             // Kept through the JSON the supervisor persists and hands a migration's
             // destination.
             let back: DriveSpec =
                 serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
-            assert_eq!(back.relays(), relays, "{spec}");
+            assert_eq!((back.relays(), back.relay_asked), (relays, asked), "{spec}");
         }
         // A spec persisted before the relay existed relays (the default), and one persisted
         // while the relay was opt-in keeps what it said.

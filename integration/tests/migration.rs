@@ -9,7 +9,7 @@ use accel_integration::migration::{
     accelctl_migrate, has_open, holds_lock, migrate, wait_migration_end, Instance,
 };
 use accel_integration::supervised::{writer_script, AcceldRun};
-use accel_integration::{guest_value, host_md5, Guest};
+use accel_integration::{create_qcow2, guest_value, host_md5, qcow2_md5, Guest};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
@@ -298,7 +298,9 @@ fn verify_guest(i: &mut Instance, img: &Path) -> Result<String> {
 /// continues; the destination takes the same limits.
 #[test]
 fn throttled_drive_migrates_with_accelctl_migrate() -> Result<()> {
-    throttled_migration("mig-thr", "")
+    // relay=on: the tests' QEMU has a monitor beside acceld's, where acceld would not relay
+    // by default.
+    throttled_migration("mig-thr", ",relay=on")
 }
 
 /// The same over NBD only (`nbd=on`).
@@ -376,6 +378,77 @@ fn throttled_migration(tag: &str, spec_extra: &str) -> Result<()> {
     assert!(holds_lock(b.pid(), &img));
     let iters = verify_guest(&mut dst, &img)?;
     println!("throttled drive ({path}) migrated; guest {iters} verified iterations, 0 errors");
+    Ok(())
+}
+
+/// A qcow2 drive (qemu engine, relayed through QEMU's vhost-user-blk export of its node, the
+/// default) migrates under guest writes with `accelctl migrate`: acceld marks the guest pages
+/// the export wrote (dirty logging on this path, no NBD during the migration), removes its
+/// exports at pre-switchover, and the destination relays through its own export. The guest
+/// verifies every block; the image holds what it wrote.
+#[test]
+fn relayed_qcow2_drive_migrates_with_accelctl_migrate() -> Result<()> {
+    let _one = one_at_a_time();
+    let dir = workdir("mig-qcow2");
+    let img = dir.path().join("d0.qcow2");
+    create_qcow2(&img, "64M")?;
+    let drive = format!(
+        "id=d0,image={},format=qcow2,queues=2,relay=on",
+        img.display()
+    );
+    let a = AcceldRun::start(&dir.path().join("run-a"), CONFIG)?;
+    let b = AcceldRun::start(&dir.path().join("run-b"), CONFIG)?;
+    register(&a, &dir.path().join("qmp-a.sock"), &drive, false)?;
+    let mut src = boot(
+        &a,
+        &dir.path().join("side-a.sock"),
+        &[],
+        &writer_script("/dev/vda", WORKERS, BLOCKS),
+    )?;
+    src.guest
+        .wait_for("READY", Duration::from_secs(120))
+        .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", a.log_text()))?;
+    a.wait_engine("vm1", "d0", "qemu", Duration::from_secs(20))?;
+    let relayed = |acc: &AcceldRun| -> Result<()> {
+        let t0 = Instant::now();
+        while acc.drive("vm1", "d0")?["io_path"] != "vhost-user" {
+            if t0.elapsed() > Duration::from_secs(20) {
+                bail!("not relayed within 20 s\n{}", acc.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    };
+    relayed(&a)?;
+    src.guest.wait_for("progress=", Duration::from_secs(60))?;
+
+    let (text, mut dst) = accelctl_migrate(
+        &a,
+        &b,
+        "vm1",
+        dir.path(),
+        &writer_script("/dev/vda", WORKERS, BLOCKS),
+        &[],
+    )?;
+    println!("accelctl migrate:\n{}", text.trim());
+    assert!(text.contains("migrated: total"), "{text}");
+    src.guest.wait_exit(Duration::from_secs(30))?;
+    b.wait_engine("vm1", "d0", "qemu", Duration::from_secs(20))?;
+    relayed(&b)?;
+    assert_eq!(status_of(&dst)?, "running");
+    dst.guest.wait_for("progress=", Duration::from_secs(60))?;
+    dst.guest.send_line("STOP")?;
+    let out = dst.guest.wait_exit(Duration::from_secs(180))?;
+    if !out.iter().any(|l| l.contains("RESULT: PASS")) {
+        bail!("guest failed:\n{}\n{}", out.join("\n"), b.log_text());
+    }
+    assert_eq!(guest_value(&out, "errors")?, "0");
+    assert_eq!(guest_value(&out, "kernel_errors")?, "0");
+    assert_eq!(
+        qcow2_md5(&img, u64::from(WORKERS * BLOCKS) * 4096)?,
+        guest_value(&out, "md5")?,
+        "the image holds what the guest wrote"
+    );
     Ok(())
 }
 
@@ -525,6 +598,8 @@ fn copy_storage_to_a_blank_image() -> Result<()> {
         a,
         b,
     } = two_hosts("mig-copy")?;
+    // relay=on: the mirror starts from a relayed drive (acceld moves it to NBD first).
+    let drive = format!("{drive},relay=on");
     let new = dir.path().join("d0-dest.raw");
     std::fs::File::create(&new)?.set_len(64 << 20)?;
     let mut src = writer_on(&a, dir.path(), "a", &drive)?;

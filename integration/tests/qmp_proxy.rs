@@ -80,7 +80,9 @@ fn proxy_answers_as_qemu_does_for_a_virtio_blk_drive() -> Result<()> {
     acc.register(
         "vm1",
         &qmp,
-        &format!("id=d0,image={},queues=2", img.display()),
+        // relay=on: relayed whenever on the qemu engine, despite the test's own monitor, so
+        // that every command the proxy forwards meets a relayed drive.
+        &format!("id=d0,image={},queues=2,relay=on", img.display()),
         &["--cont"],
     )?;
     let proxy = acc.run_dir.join("vm1").join("monitor.sock");

@@ -98,6 +98,50 @@ fn relayed(d: &Value) -> bool {
     d["engine"] == "qemu" && d["io_path"] == "vhost-user"
 }
 
+/// A guest doing verified writes on a relayed qcow2 drive (8 writers x 64 blocks).
+struct Relayed {
+    dir: tempfile::TempDir,
+    img: std::path::PathBuf,
+    acc: AcceldRun,
+    g: Guest,
+    /// QEMU's own second monitor (not the proxy).
+    tq: std::path::PathBuf,
+}
+
+/// Boots a guest on a 64 MiB qcow2 drive with `extra` in its spec and waits until the drive
+/// is relayed. `relay=on`: the tests' QEMU has a monitor of their own beside acceld's, where
+/// acceld would not relay by default.
+fn relayed_qcow2(tag: &str, extra: &str) -> Result<Relayed> {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("accel-{tag}"))
+        .tempdir_in("/var/tmp")?;
+    let img = dir.path().join("d0.qcow2");
+    create_qcow2(&img, "64M")?;
+    let qmp = dir.path().join("qmp.sock");
+    let tq = dir.path().join("test-qmp.sock");
+    let acc = AcceldRun::start(&dir.path().join("run"), CONFIG)?;
+    acc.register(
+        "vm1",
+        &qmp,
+        &format!(
+            "id=d0,image={},format=qcow2,queues=2,relay=on{extra}",
+            img.display()
+        ),
+        &["--cont"],
+    )?;
+    let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 8, 64))?;
+    g.wait_for("READY", Duration::from_secs(120))
+        .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
+    wait_drive(&acc, "relayed", relayed)?;
+    Ok(Relayed {
+        dir,
+        img,
+        acc,
+        g,
+        tq,
+    })
+}
+
 #[test]
 fn a_relayed_drive_under_guest_writes_through_throttle_stop_cont_and_back_to_direct() -> Result<()>
 {
@@ -113,7 +157,8 @@ fn a_relayed_drive_under_guest_writes_through_throttle_stop_cont_and_back_to_dir
     acc.register(
         "vm1",
         &qmp,
-        &format!("id=d0,image={},queues=2", img.display()),
+        // relay=on: the test's own monitor beside acceld's would keep the drive on NBD.
+        &format!("id=d0,image={},queues=2,relay=on", img.display()),
         &["--cont"],
     )?;
     let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 16, 64))?;
@@ -188,28 +233,13 @@ fn a_relayed_drive_under_guest_writes_through_throttle_stop_cont_and_back_to_dir
 /// or replayed (the guest verifies every block, the host compares the image's data).
 #[test]
 fn a_relayed_qcow2_drive_survives_acceld_sigkills() -> Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("accel-relaykill")
-        .tempdir_in("/var/tmp")?;
-    let run = dir.path().join("run");
-    let img = dir.path().join("d0.qcow2");
-    create_qcow2(&img, "64M")?;
-    let qmp = dir.path().join("qmp.sock");
-    let tq = dir.path().join("test-qmp.sock");
-    let mut acc = AcceldRun::start(&run, CONFIG)?;
-    acc.register(
-        "vm1",
-        &qmp,
-        &format!(
-            "id=d0,image={},format=qcow2,queues=2,relay=on",
-            img.display()
-        ),
-        &["--cont"],
-    )?;
-    let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 8, 64))?;
-    g.wait_for("READY", Duration::from_secs(120))
-        .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
-    wait_drive(&acc, "relayed", relayed)?;
+    let Relayed {
+        img,
+        mut acc,
+        mut g,
+        tq,
+        dir: _dir,
+    } = relayed_qcow2("relaykill", "")?;
     let mut at = g.progress()?;
     for k in 0..5 {
         acc.kill_and_start()?;
@@ -239,26 +269,16 @@ fn a_relayed_qcow2_drive_survives_acceld_sigkills() -> Result<()> {
 /// and nothing the guest wrote is lost.
 #[test]
 fn a_relayed_drive_steps_onto_nbd_for_a_snapshot_and_an_active_commit() -> Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("accel-relay-job")
-        .tempdir_in("/var/tmp")?;
+    // `tq` (QEMU's own monitor) is not used: every command goes through the proxy.
+    let Relayed {
+        dir,
+        img,
+        acc,
+        mut g,
+        tq: _,
+    } = relayed_qcow2("relay-job", "")?;
     let run = dir.path().join("run");
-    let img = dir.path().join("d0.qcow2");
-    create_qcow2(&img, "64M")?;
     let overlay = dir.path().join("d0-snap.qcow2");
-    let qmp = dir.path().join("qmp.sock");
-    let tq = dir.path().join("test-qmp.sock");
-    let acc = AcceldRun::start(&run, CONFIG)?;
-    acc.register(
-        "vm1",
-        &qmp,
-        &format!("id=d0,image={},format=qcow2,queues=2", img.display()),
-        &["--cont"],
-    )?;
-    let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 8, 64))?;
-    g.wait_for("READY", Duration::from_secs(120))
-        .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
-    wait_drive(&acc, "relayed", relayed)?;
     let repaths = |to: &str| {
         plain(&acc.log_text())
             .lines()
@@ -347,28 +367,14 @@ fn a_relayed_drive_steps_onto_nbd_for_a_snapshot_and_an_active_commit() -> Resul
 /// and nothing it wrote is lost.
 #[test]
 fn an_export_that_dies_under_load_costs_the_guest_nothing() -> Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("accel-relay-lost")
-        .tempdir_in("/var/tmp")?;
-    let run = dir.path().join("run");
-    let img = dir.path().join("d0.qcow2");
-    create_qcow2(&img, "64M")?;
-    let qmp = dir.path().join("qmp.sock");
-    let tq = dir.path().join("test-qmp.sock");
-    let acc = AcceldRun::start(&run, CONFIG)?;
-    acc.register(
-        "vm1",
-        &qmp,
-        &format!(
-            "id=d0,image={},format=qcow2,queues=2,werror=report",
-            img.display()
-        ),
-        &["--cont"],
-    )?;
-    let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 8, 64))?;
-    g.wait_for("READY", Duration::from_secs(120))
-        .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
-    wait_drive(&acc, "relayed", relayed)?;
+    // werror=report: a failed write would reach the guest, whose verifier would fail.
+    let Relayed {
+        img,
+        acc,
+        mut g,
+        tq,
+        dir: _dir,
+    } = relayed_qcow2("relay-lost", ",werror=report")?;
     let t = SideQmp::connect(&tq)?;
     let at = g.progress()?;
     let errors0 = acc.drive("vm1", "d0")?["io"]["errors"]
@@ -429,25 +435,13 @@ fn an_export_that_dies_under_load_costs_the_guest_nothing() -> Result<()> {
 /// and nothing the guest wrote is lost.
 #[test]
 fn a_relayed_qcow2_drive_takes_a_throttle_and_loses_it_under_guest_writes() -> Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("accel-relay-thr")
-        .tempdir_in("/var/tmp")?;
-    let run = dir.path().join("run");
-    let img = dir.path().join("d0.qcow2");
-    create_qcow2(&img, "64M")?;
-    let qmp = dir.path().join("qmp.sock");
-    let tq = dir.path().join("test-qmp.sock");
-    let acc = AcceldRun::start(&run, CONFIG)?;
-    acc.register(
-        "vm1",
-        &qmp,
-        &format!("id=d0,image={},format=qcow2,queues=2", img.display()),
-        &["--cont"],
-    )?;
-    let mut g = boot_registered(&acc, "vm1", "256M", &tq, &writer_script("/dev/vda", 8, 64))?;
-    g.wait_for("READY", Duration::from_secs(120))
-        .map_err(|e| anyhow::anyhow!("{e}\nacceld log:\n{}", acc.log_text()))?;
-    wait_drive(&acc, "relayed", relayed)?;
+    let Relayed {
+        img,
+        acc,
+        mut g,
+        tq,
+        dir: _dir,
+    } = relayed_qcow2("relay-thr", "")?;
     let t = SideQmp::connect(&tq)?;
     let mut at = g.progress()?;
     for round in 0..3 {

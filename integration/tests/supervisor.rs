@@ -188,6 +188,21 @@ fn raw_drive_story_under_guest_writes() -> Result<()> {
     // A block job on the drive's node keeps it in QEMU while it runs; when the job ends the
     // drive goes back to direct by itself (events + quiet period).
     acc.ctl_ok(&["handback", "vm1", "d0"])?;
+    // This QEMU has the test's monitor beside acceld's, and the mirror goes there, around
+    // the QMP proxy: the drive (relay by default) serves over NBD, or the mirror's drain
+    // would meet relayed requests, which QEMU 10.0.2's vhost-user-blk export does not
+    // survive.
+    let d = acc.drive("vm1", "d0")?;
+    assert_eq!(
+        (&d["engine"], &d["io_path"]),
+        (&json!("qemu"), &json!("nbd")),
+        "{d}"
+    );
+    assert!(
+        acc.log_text().contains("QEMU has monitors beside acceld's"),
+        "{}",
+        acc.log_text()
+    );
     t.cmd(
         "drive-mirror",
         json!({"device": "d0", "target": dir.path().join("m.raw"), "format": "raw",

@@ -53,6 +53,10 @@ pub struct Vm {
     /// Management commands the QMP proxy holds (each may drain QEMU's nodes, even all of
     /// them): while any is, no drive relays (see [`Vm::relay_held`]).
     pub(super) relay_holds: std::sync::atomic::AtomicUsize,
+    /// QEMU's monitors other than acceld's (`-qmp`/`-monitor` chardevs, found at attach): a
+    /// command sent there is not the QMP proxy's to hold, so drives relay only if their spec
+    /// says `relay=on` (see [`Vm::may_relay`]).
+    pub(super) side_monitors: Mutex<Vec<String>>,
 }
 
 impl Vm {
@@ -85,7 +89,16 @@ impl Vm {
             kick: tokio::sync::Notify::new(),
             log: LogLimit::default(),
             relay_holds: std::sync::atomic::AtomicUsize::new(0),
+            side_monitors: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Whether drive `d` may relay in this VM at all: its spec relays, and either said
+    /// `relay=on` or QEMU has no monitor beside acceld's. A block command sent to another
+    /// monitor drains the node behind acceld's back, and QEMU 10.0.2's vhost-user-blk
+    /// export aborts or hangs when its node is drained with requests in flight.
+    pub(super) fn may_relay(&self, d: &ManagedDrive) -> bool {
+        d.spec.relays() && (d.spec.relay_asked || lock(&self.side_monitors).is_empty())
     }
 
     /// The QMP proxy holds a management command: relayed drives serve over NBD meanwhile.
@@ -520,7 +533,7 @@ impl Supervisor {
         // the proxy holds a management command that may.
         let job = snap.has_block_job()
             || matches!(&decision, policy::Decision::Qemu(r) if r.iter().any(|r| matches!(r, policy::Reason::BlockJob(_))));
-        let relay_allowed = d.spec.relays() && !job && !vm.relay_held();
+        let relay_allowed = vm.may_relay(d) && !job && !vm.relay_held();
         self.relay_lost_or_back(vm, d, qmp, relay_allowed).await?;
         let relay_wanted = {
             let mut g = lock(&d.graph);
@@ -600,9 +613,43 @@ impl Supervisor {
 /// again (a session that keeps ending costs one repath each time, no more).
 pub(super) const RELAY_RETRY: Duration = Duration::from_secs(10);
 
+/// The monitors QEMU has beside acceld's own QMP socket `own`: the chardevs `-qmp` and
+/// `-monitor` make (`compat_monitorN`), whatever their transport. A `-mon` on a chardev of
+/// its own is not told apart from a serial port, and is not found.
+fn side_monitors(
+    chardevs: &[qmp_client::commands::ChardevInfo],
+    own: &std::path::Path,
+) -> Vec<String> {
+    chardevs
+        .iter()
+        .filter(|c| c.label.starts_with("compat_monitor"))
+        .filter(|c| {
+            let f = c
+                .filename
+                .strip_prefix("disconnected:")
+                .unwrap_or(&c.filename);
+            let path = f
+                .strip_prefix("unix:")
+                .map(|p| std::path::Path::new(p.split(',').next().unwrap_or(p)));
+            path != Some(own)
+        })
+        .map(|c| c.label.clone())
+        .collect()
+}
+
 /// Maps each registered drive to its vhost-user-blk-pci device, by socket path.
 async fn find_devices(vm: &Vm, qmp: &Qmp) -> Result<(), SupError> {
     let chardevs = qmp_run(qmp, &QueryChardev).await?;
+    let side = side_monitors(&chardevs, &vm.qmp_path);
+    if !side.is_empty()
+        && vm
+            .drives()
+            .iter()
+            .any(|d| d.spec.relays() && !d.spec.relay_asked)
+    {
+        info!(vm = %vm.name, monitors = ?side, "QEMU has monitors beside acceld's, whose block commands the QMP proxy cannot hold: the qemu engine serves this VM's drives over NBD, not through the relay (relay=on in a drive's spec relays anyway)");
+    }
+    *lock(&vm.side_monitors) = side;
     let mut by_label = BTreeMap::new();
     for c in chardevs {
         // A reconnecting client socket shows as "disconnected:unix:PATH".
@@ -647,4 +694,37 @@ async fn find_devices(vm: &Vm, qmp: &Qmp) -> Result<(), SupError> {
         lock(&d.graph).device = dev;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod side_monitor_tests {
+    use qmp_client::commands::ChardevInfo;
+
+    fn c(label: &str, filename: &str) -> ChardevInfo {
+        serde_json::from_value(
+            serde_json::json!({"label": label, "filename": filename, "frontend-open": true}),
+        )
+        .unwrap()
+    }
+
+    /// As QEMU 10.0.2 lists them (`-qmp` twice, a `-mon` on its own chardev, a serial port
+    /// and an HMP monitor on sockets, libvirt's `charmonitor`).
+    #[test]
+    fn monitors_beside_acceld_s() {
+        let own = std::path::Path::new("/run/accel/vm1/qmp.sock");
+        let list = [
+            c("ser0", "disconnected:unix:/tmp/s.sock,server=on"),
+            c("compat_monitor1", "disconnected:unix:/tmp/b.sock,server=on"),
+            c("compat_monitor0", "unix:/run/accel/vm1/qmp.sock,server=on"),
+            c("compat_monitor2", "tcp:127.0.0.1:4444,server=on"),
+            c("mymon", "disconnected:unix:/tmp/c.sock,server=on"),
+            c("charmonitor", "unix:/run/accel/vm1/qmp.sock,server=on"),
+        ];
+        assert_eq!(
+            super::side_monitors(&list, own),
+            ["compat_monitor1", "compat_monitor2"]
+        );
+        assert!(super::side_monitors(&list[2..3], own).is_empty());
+        assert!(super::side_monitors(&list[5..], own).is_empty());
+    }
 }
