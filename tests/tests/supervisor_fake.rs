@@ -38,6 +38,35 @@ async fn wait_engine(sup: &Supervisor, engine: &str) -> Value {
     }
 }
 
+/// The guest: a verifying QD32 mix on two queues of the drive on `socket`, until `stop`.
+fn guest_load(
+    socket: &std::path::Path,
+    size: u64,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<accel_tests::load::LoadReport> {
+    let socket = socket.to_path_buf();
+    std::thread::spawn(move || {
+        let mut fe = BlkFrontend::connect(
+            &socket,
+            FrontendOptions {
+                queues: 2,
+                queue_size: 128,
+                max_data: 4096,
+                event_idx: true,
+                inflight: false,
+            },
+        )
+        .unwrap();
+        let r = run_load(
+            &mut fe,
+            &LoadSpec::verified_mix(size / 4096, 11, Some(stop)),
+        )
+        .unwrap();
+        drop(fe);
+        r
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn switches_and_rollbacks_under_verified_load() {
     accel_tests::harness::init_logs();
@@ -66,28 +95,7 @@ async fn switches_and_rollbacks_under_verified_load() {
 
     // The guest: QD32 on two queues, verified, for as long as the steps run.
     let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = stop.clone();
-    let sock2 = socket.clone();
-    let load = std::thread::spawn(move || {
-        let mut fe = BlkFrontend::connect(
-            &sock2,
-            FrontendOptions {
-                queues: 2,
-                queue_size: 128,
-                max_data: 4096,
-                event_idx: true,
-                inflight: false,
-            },
-        )
-        .unwrap();
-        let r = run_load(
-            &mut fe,
-            &LoadSpec::verified_mix(size / 4096, 11, Some(stop2)),
-        )
-        .unwrap();
-        drop(fe);
-        r
-    });
+    let load = guest_load(&socket, size, stop.clone());
     let pause = || tokio::time::sleep(Duration::from_millis(100));
     pause().await;
 
@@ -270,6 +278,83 @@ async fn switches_and_rollbacks_under_verified_load() {
         m.contains("accel_drive_switches_total{vm=\"vm\",drive=\"d0\",engine=\"direct\"}"),
         "{m}"
     );
+    sup.shutdown();
+}
+
+/// A status taken at any moment shows a drive before a switch or after it, never between:
+/// its engine and its count of completed switches (each switch's pause) change in one step (`ManagedDrive::commit`). A poller reads status as fast as it can
+/// while the drive switches 20 times each way under a verifying guest load; from direct,
+/// an even count of completed switches must show direct and an odd one qemu.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_never_shows_half_a_switch() {
+    accel_tests::harness::init_logs();
+    let size = 16u64 << 20;
+    let (dir, image) = accel_tests::harness::temp_image("accel-status", size);
+    fill_image(&image, size, 1).unwrap();
+    let run = dir.path().join("run");
+    let socket = run.join("vm").join("d0.sock");
+    let fake = FakeQemu::start(dir.path(), "d0", &image, &socket);
+    let spec = DriveSpec::parse(&format!("id=d0,image={},queues=2", image.display())).unwrap();
+    let sup = fake.supervise(&run, spec);
+    wait_engine(&sup, "direct").await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = guest_load(&socket, size, stop.clone());
+
+    // The poller: every status it reads is checked; the first half-applied one is kept.
+    let polling = Arc::new(AtomicBool::new(true));
+    let poller = {
+        let (sup, polling) = (sup.clone(), polling.clone());
+        std::thread::spawn(move || {
+            let (mut reads, mut seen_qemu, mut bad) = (0u64, 0u64, None::<String>);
+            while polling.load(Ordering::Relaxed) {
+                let d = drive(&sup);
+                reads += 1;
+                let n = d["switch"]["to_direct"]["count"].as_u64().unwrap()
+                    + d["switch"]["to_qemu"]["count"].as_u64().unwrap();
+                let want = if n % 2 == 0 { "direct" } else { "qemu" };
+                if d["engine"] == "qemu" {
+                    seen_qemu += 1;
+                }
+                if bad.is_none() && d["engine"] != want {
+                    bad = Some(format!("{n} switches done, engine {}: {d}", d["engine"]));
+                }
+            }
+            (reads, seen_qemu, bad)
+        })
+    };
+    let rounds = 20;
+    for _ in 0..rounds {
+        sup.set_pin("vm", "d0", Some(Pin::Qemu), false)
+            .await
+            .unwrap();
+        sup.set_pin("vm", "d0", None, false).await.unwrap();
+    }
+    polling.store(false, Ordering::Relaxed);
+    let (reads, seen_qemu, bad) = tokio::task::spawn_blocking(move || poller.join().unwrap())
+        .await
+        .unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let r = tokio::task::spawn_blocking(move || load.join().unwrap())
+        .await
+        .unwrap();
+    let d = drive(&sup);
+    println!(
+        "{reads} status reads ({seen_qemu} on qemu) over {} switches; {}",
+        2 * rounds,
+        r.summary()
+    );
+    assert_eq!(bad, None, "a status showed half a switch");
+    assert!(
+        seen_qemu > 0,
+        "the poller saw the drive on qemu at least once"
+    );
+    assert_eq!(d["engine"], "direct", "{d}");
+    assert_eq!(d["switch"]["to_qemu"]["count"], rounds, "{d}");
+    assert_eq!(d["switch"]["to_direct"]["count"], rounds, "{d}");
+    assert_eq!(d["switch"]["failed"], 0, "{d}");
+    assert_eq!(r.errors, 0, "the guest saw no I/O error");
+    assert_eq!(r.mismatch_count, 0, "{:?}", r.mismatches);
+    assert_eq!(r.verify_image(&image, 4096).unwrap(), size / 4096);
     sup.shutdown();
 }
 

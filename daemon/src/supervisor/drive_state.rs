@@ -8,7 +8,8 @@
 //!
 //! Where they nest, they are taken in this order: `stats`, `observed`, `graph`, `intent`,
 //! `placement`, then `image` and `node` (docs/architecture.md, "Lock order"). A switch's
-//! outcome is applied in one step under `stats`, `graph` and `placement` ([`ManagedDrive::commit`]).
+//! outcome ([`Commit`]) is applied in one step under `stats`, `graph` and `placement`
+//! ([`ManagedDrive::commit`]), once its new engine serves.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -115,6 +116,43 @@ pub struct SwitchStats {
     pub last_error: Option<String>,
     pub nbd: Option<Arc<NbdStats>>,
     pub rates: Rates,
+}
+
+/// What a switch makes true once its new engine serves, applied by [`ManagedDrive::commit`]:
+/// the bring-up returns it instead of applying it, so nothing shows before the hand-over.
+#[derive(Debug)]
+pub struct Commit {
+    pub engine: EngineKind,
+    /// The NBD engine's counters (none on the relay and the direct engine).
+    nbd: Option<Arc<NbdStats>>,
+    /// The throttle QEMU has now (qemu engine only).
+    throttle: Option<ThrottleLimits>,
+    /// How the drive is served directly (the way back), when that changed.
+    direct_spec: Option<ServeSpec>,
+}
+
+impl Commit {
+    /// Served by the direct engine (`spec`: how, when it changed): no NBD engine, no throttle
+    /// in QEMU.
+    pub fn direct(spec: Option<ServeSpec>) -> Commit {
+        Commit {
+            engine: EngineKind::Direct,
+            nbd: None,
+            throttle: None,
+            direct_spec: spec,
+        }
+    }
+
+    /// Served by the qemu engine, over `nbd` (its counters; none on the relay), with
+    /// `throttle` in QEMU.
+    pub fn qemu(nbd: Option<Arc<NbdStats>>, throttle: Option<ThrottleLimits>) -> Commit {
+        Commit {
+            engine: EngineKind::Qemu,
+            nbd,
+            throttle,
+            direct_spec: None,
+        }
+    }
 }
 
 type ServerThread = (ShutdownHandle, JoinHandle<()>);
@@ -239,40 +277,31 @@ impl ManagedDrive {
         let _ = std::fs::remove_file(&self.socket);
     }
 
-    /// The drive is served by the direct engine from now on (`spec`: how, when it changed):
-    /// no NBD engine, no throttle in QEMU. See [`ManagedDrive::commit`].
-    pub fn commit_direct(&self, spec: Option<ServeSpec>) {
-        self.commit(EngineKind::Direct, None, None, spec);
-    }
-
-    /// The drive is served by the qemu engine from now on, over `nbd`, with `throttle` in
-    /// QEMU.
-    /// `nbd`: the NBD engine's counters (none on the relay).
-    pub fn commit_qemu(&self, nbd: Option<Arc<NbdStats>>, throttle: Option<ThrottleLimits>) {
-        self.commit(EngineKind::Qemu, nbd, throttle, None);
-    }
-
-    /// A switch's outcome in one step: the engine and what goes with it are applied with
-    /// `stats`, `graph` and `placement` held together (in the lock order,
-    /// docs/architecture.md), as `status` holds them, so a status shows the drive before the
-    /// switch or after it, never between.
-    fn commit(
-        &self,
-        engine: EngineKind,
-        nbd: Option<Arc<NbdStats>>,
-        throttle: Option<ThrottleLimits>,
-        direct_spec: Option<ServeSpec>,
-    ) {
+    /// A switch's (or a repath's) outcome in one step, once its new engine serves: the
+    /// engine and what goes with it, and the completed switch's `pause` (microseconds, `None`
+    /// for a repath, a rollback or a take from held), are applied with `stats`, `graph` and
+    /// `placement` held together (in the lock order, docs/architecture.md), as `status` holds
+    /// them. So a status shows the drive before the switch or after it, never between: its
+    /// engine and its count of completed switches change together.
+    pub fn commit(&self, c: Commit, pause: Option<u64>) {
         let mut st = lock(&self.stats);
         let mut g = lock(&self.graph);
         let mut p = lock(&self.placement);
-        st.nbd = nbd;
-        g.applied_throttle = throttle;
-        if direct_spec.is_some() {
-            p.direct_spec = direct_spec;
+        st.nbd = c.nbd;
+        if let Some(us) = pause {
+            match c.engine {
+                EngineKind::Direct => st.to_direct_us.push(us),
+                EngineKind::Qemu => st.to_qemu_us.push(us),
+                EngineKind::Held => {}
+            }
+            st.last_error = None;
         }
-        if p.engine != engine {
-            p.engine = engine;
+        g.applied_throttle = c.throttle;
+        if c.direct_spec.is_some() {
+            p.direct_spec = c.direct_spec;
+        }
+        if p.engine != c.engine {
+            p.engine = c.engine;
             p.since = SystemTime::now();
         }
     }

@@ -14,7 +14,7 @@ use policy::ServeSpec;
 use qmp_client::Qmp;
 use tracing::{debug, info, warn};
 
-use super::drive_state::ManagedDrive;
+use super::drive_state::{Commit, ManagedDrive};
 use super::plan::{Action, ToQemu};
 use super::qemu_graph::{export_id, lift_limits, set_limits};
 use super::vm::Vm;
@@ -58,7 +58,25 @@ pub(super) fn file_config(
 }
 
 impl Supervisor {
+    /// Carries out one step of the plan, then saves the state once, whatever its outcome: the
+    /// steps themselves return it and do not save (only [`Self::remove_nodes`] writes its
+    /// recipe ahead, before QEMU's nodes go).
     pub(super) async fn execute(
+        &self,
+        vm: &Arc<Vm>,
+        d: &Arc<ManagedDrive>,
+        qmp: &Arc<Qmp>,
+        action: Action,
+    ) -> Result<(), SupError> {
+        let changes = !matches!(action, Action::Stay | Action::WaitQuiet);
+        let outcome = self.step(vm, d, qmp, action).await;
+        if changes {
+            self.save();
+        }
+        outcome
+    }
+
+    async fn step(
         &self,
         vm: &Arc<Vm>,
         d: &Arc<ManagedDrive>,
@@ -173,9 +191,9 @@ impl Supervisor {
         // From the qemu engine to direct, acceld opens the image before the pause, sharing
         // write with QEMU's export (idle once acceld's connections close in the pause); the
         // export and nodes go after the resume, and then acceld's lock stops sharing write.
-        let prepared = match (&to, from) {
+        let prepared: Option<(Arc<dyn Engine>, Commit)> = match (&to, from) {
             (Target::Qemu, EngineKind::Direct) => match self.qemu_engine(vm, d, qmp, true).await {
-                Ok(e) => Some(e),
+                Ok(up) => Some(up),
                 Err(e) => {
                     self.unprepare_qemu(d, qmp).await;
                     lock(&d.stats).failed_switches += 1;
@@ -185,7 +203,10 @@ impl Supervisor {
             (Target::Direct(spec), EngineKind::Qemu) => {
                 let cfg = file_config(&d.spec, &d.image(), spec);
                 match offload::blocking(move || FileEngine::open_sharing_write(cfg)).await {
-                    Ok(e) if e.size() >= d.drive.capacity() => Some(Arc::new(e) as Arc<dyn Engine>),
+                    Ok(e) if e.size() >= d.drive.capacity() => Some((
+                        Arc::new(e) as Arc<dyn Engine>,
+                        Commit::direct(Some(spec.clone())),
+                    )),
                     // The usual path then says why (and restores what it must).
                     _ => None,
                 }
@@ -197,7 +218,7 @@ impl Supervisor {
         // The queues' contexts on a prepared engine too (io_uring rings, NBD queues on the
         // connections made ahead): the pause then does not wait for their set-up. If they
         // cannot be opened now, the resume opens them and says why.
-        let mut ahead = match prepared.clone() {
+        let mut ahead = match prepared.as_ref().map(|(e, _)| e.clone()) {
             Some(e) => {
                 let dr = drive.clone();
                 offload::blocking(move || dr.open_contexts(e.as_ref()))
@@ -211,27 +232,30 @@ impl Supervisor {
         // it at once, the ones in flight finish on the old engine, which is released only
         // after their last completion. The pause is then the hand-over alone, not the drain
         // (requests through QEMU, or a slow disk, take milliseconds).
-        let swapped = match (&prepared, ahead.take()) {
-            (Some(e), Some(ctx)) => {
-                let (dr, e) = (drive.clone(), e.clone());
-                match offload::blocking(move || dr.swap_engine(e, ctx)).await {
-                    Ok(s) => Some(s),
+        let mut prepared = prepared;
+        let swapped = match (prepared.take(), ahead.take()) {
+            (Some((e, commit)), Some(ctx)) => {
+                let (dr, e2) = (drive.clone(), e.clone());
+                match offload::blocking(move || dr.swap_engine(e2, ctx)).await {
+                    Ok((rep, draining)) => Some((rep, draining, commit)),
                     Err((ctx, why)) => {
                         debug!(drive = %d.spec.id, "no overlapped switch: {why}");
+                        prepared = Some((e, commit));
                         ahead = Some(ctx);
                         None
                     }
                 }
             }
-            (_, a) => {
+            (p, a) => {
+                prepared = p;
                 ahead = a;
                 None
             }
         };
-        let res = if let Some((rep, draining)) = swapped {
+        let res = if let Some((rep, draining, commit)) = swapped {
             self.release_drained(d, old.clone(), draining, &rep, to.kind().as_str())
                 .await;
-            Ok(rep)
+            Ok((rep, commit))
         } else {
             let dr = drive.clone();
             let paused = match offload::blocking(move || dr.pause()).await {
@@ -260,17 +284,15 @@ impl Supervisor {
                 old.release();
             }
             let released = paused.elapsed();
-            // A prepared direct engine shows in status once QEMU's export and nodes are gone
-            // (finish_direct).
             let up = match prepared {
-                Some(e) => Ok(e),
+                Some(up) => Ok(up),
                 None => self.bring_up(vm, d, qmp, &to).await,
             };
             debug!(drive = %d.spec.id, to = to.kind().as_str(), drain_us = drained.as_micros() as u64, release_us = (released - drained).as_micros() as u64, bring_up_us = (paused.elapsed() - released).as_micros() as u64, "switch steps");
             let res = match up {
-                Ok(engine) => {
+                Ok((engine, commit)) => {
                     match offload::blocking(move || paused.resume_with(engine, ahead)).await {
-                        Ok(rep) => Ok(rep),
+                        Ok(rep) => Ok((rep, commit)),
                         Err((p, e)) => Err((p, SupError::Switch(e))),
                     }
                 }
@@ -282,28 +304,21 @@ impl Supervisor {
             res
         };
         match res {
-            Ok(rep) => {
+            Ok((rep, commit)) => {
                 let us = rep.pause.as_micros() as u64;
-                {
-                    let mut st = lock(&d.stats);
-                    // Per direction, the live switches between the two engines; a take from
-                    // held (start-up, or after a hold) paused nothing that ran.
-                    match (&to, from) {
-                        (_, EngineKind::Held) => {}
-                        (Target::Direct(_), _) => st.to_direct_us.push(us),
-                        (Target::Qemu, _) => st.to_qemu_us.push(us),
-                    }
-                    st.last_error = None;
-                }
-                if let (true, Target::Direct(spec)) = (direct_prepared, &to) {
+                // A prepared direct engine commits once QEMU's export and nodes are gone.
+                if direct_prepared {
                     if let Err(e) = self.finish_direct(d, qmp).await {
                         self.back_to_qemu(vm, d, qmp, &e).await;
                         return Err(e);
                     }
-                    d.commit_direct(Some(spec.clone()));
                 }
+                // The switch shows now, all of it: the engine with its pause. Per direction,
+                // the live switches between the two engines; a take from held (start-up, or
+                // after a hold) paused nothing that ran.
+                let pause = (from != EngineKind::Held).then_some(us);
+                d.commit(commit, pause);
                 info!(vm = %vm.name, drive = %d.spec.id, from = from.as_str(), to = to.kind().as_str(), pause_us = us, "switched");
-                self.save();
                 if matches!(to, Target::Qemu) {
                     self.ensure_lending(vm, d, qmp).await;
                 }
@@ -323,8 +338,9 @@ impl Supervisor {
                 };
                 let restored = match back {
                     Some(t) => match self.bring_up(vm, d, qmp, &t).await {
-                        Ok(engine) => offload::blocking(move || paused.resume(engine))
+                        Ok((engine, commit)) => offload::blocking(move || paused.resume(engine))
                             .await
+                            .map(|_| d.commit(commit, None))
                             .map_err(|(p, e)| (p, SupError::Switch(e))),
                         Err(e2) => Err((paused, e2)),
                     },
@@ -337,7 +353,6 @@ impl Supervisor {
                     let _ = offload::blocking(move || paused.resume(Arc::new(HeldEngine))).await;
                     d.set_engine(EngineKind::Held);
                 }
-                self.save();
                 Err(e)
             }
         }
@@ -352,7 +367,7 @@ impl Supervisor {
         d: &Arc<ManagedDrive>,
         qmp: &Qmp,
         share_write_first: bool,
-    ) -> Result<Arc<dyn Engine>, SupError> {
+    ) -> Result<(Arc<dyn Engine>, Commit), SupError> {
         let t0 = std::time::Instant::now();
         self.qemu_down(d, qmp).await?;
         let t_down = t0.elapsed();
@@ -380,8 +395,7 @@ impl Supervisor {
             false => None,
         } {
             debug!(drive = %d.spec.id, before_pause = share_write_first, down_us = t_down.as_micros() as u64, nodes_us = (t_nodes - t_down).as_micros() as u64, export_us = (t_up - t_nodes).as_micros() as u64, connect_us = (t0.elapsed() - t_up).as_micros() as u64, "bring-up steps (qemu, relay)");
-            d.commit_qemu(None, throttle);
-            return Ok(engine);
+            return Ok((engine, Commit::qemu(None, throttle)));
         }
         // One connection per queue now, so the queues resume on connections that are up
         // (before the pause, when share_write_first).
@@ -396,8 +410,8 @@ impl Supervisor {
                 engine.info().size
             )));
         }
-        d.commit_qemu(Some(engine.stats()), throttle);
-        Ok(Arc::new(engine))
+        let commit = Commit::qemu(Some(engine.stats()), throttle);
+        Ok((Arc::new(engine), commit))
     }
 
     /// The old engine of an overlapped switch is released once its last request completed;
@@ -435,7 +449,7 @@ impl Supervisor {
     /// node, so the move overlaps: new requests go to the new path at once and those in
     /// flight finish on the old one. When the relay cannot be reached the drive stays on NBD
     /// (logged); when the overlap is refused (held requests), an ordinary pause hands over.
-    pub(super) async fn repath(
+    async fn repath(
         &self,
         vm: &Arc<Vm>,
         d: &Arc<ManagedDrive>,
@@ -510,16 +524,14 @@ impl Supervisor {
                             let _ = offload::blocking(move || paused.resume(Arc::new(HeldEngine)))
                                 .await;
                             d.set_engine(EngineKind::Held);
-                            self.save();
                         }
                         return Err(SupError::Switch(e));
                     }
                 }
             }
         };
-        d.commit_qemu(nbd_stats, throttle);
+        d.commit(Commit::qemu(nbd_stats, throttle), None);
         info!(vm = %vm.name, drive = %d.spec.id, to = %to, pause_us, "repathed on the qemu engine");
-        self.save();
         Ok(())
     }
 
@@ -602,7 +614,6 @@ impl Supervisor {
         drive.engine().release();
         self.resume_on_qemu(vm, d, qmp, paused, "the failed switch to direct")
             .await;
-        self.save();
     }
 
     /// Undoes a `qemu_engine` made before the pause while the drive still runs direct: QEMU's export and nodes go,
@@ -628,18 +639,18 @@ impl Supervisor {
                 warn!(drive = %d.spec.id, "cannot undo the prepared qemu engine: {}{}", failed.join("; "), accel_dataplane::util::suppressed(n));
             }
         }
-        d.commit_direct(None);
+        d.commit(Commit::direct(None), None);
     }
 
-    /// Makes `to` serve the drive and returns its engine (the drive is paused and the old
-    /// engine released).
+    /// Makes `to` serve the drive and returns its engine, and what to commit once it serves
+    /// (the drive is paused and the old engine released).
     async fn bring_up(
         &self,
         vm: &Arc<Vm>,
         d: &Arc<ManagedDrive>,
         qmp: &Qmp,
         to: &Target,
-    ) -> Result<Arc<dyn Engine>, SupError> {
+    ) -> Result<(Arc<dyn Engine>, Commit), SupError> {
         match to {
             Target::Direct(spec) => {
                 let t0 = std::time::Instant::now();
@@ -664,8 +675,7 @@ impl Supervisor {
                         return Err(err.into());
                     }
                 };
-                d.commit_direct(Some(spec.clone()));
-                Ok(Arc::new(e))
+                Ok((Arc::new(e), Commit::direct(Some(spec.clone()))))
             }
             Target::Qemu => self.qemu_engine(vm, d, qmp, false).await,
         }
@@ -787,8 +797,9 @@ impl Supervisor {
         after: &str,
     ) -> Option<SupError> {
         let res = match self.qemu_engine(vm, d, qmp, false).await {
-            Ok(engine) => offload::blocking(move || paused.resume(engine))
+            Ok((engine, commit)) => offload::blocking(move || paused.resume(engine))
                 .await
+                .map(|_| d.commit(commit, None))
                 .map_err(|(p, e)| (p, e.into())),
             Err(e) => Err((paused, e)),
         };

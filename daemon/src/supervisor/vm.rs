@@ -593,7 +593,9 @@ impl Supervisor {
             self.relay_down(d, qmp).await?;
             // Whatever the plan wants next: an overlapped switch is the only one a drive with
             // held requests can make, and NBD takes the held requests as they are.
-            return self.repath(vm, d, qmp, false).await;
+            return self
+                .execute(vm, d, qmp, Action::Repath { relay: false })
+                .await;
         }
         let retry = {
             let g = lock(&d.graph);
