@@ -38,6 +38,29 @@ async fn wait_engine(sup: &Supervisor, engine: &str) -> Value {
     }
 }
 
+/// A filled raw image of `size` bytes served as drive d0 (two queues) of a VM whose QEMU is
+/// the fake: the directory, the image, the drive's socket, the fake and its supervisor.
+fn supervised(
+    prefix: &str,
+    size: u64,
+) -> (
+    tempfile::TempDir,
+    std::path::PathBuf,
+    std::path::PathBuf,
+    Arc<FakeQemu>,
+    Arc<Supervisor>,
+) {
+    accel_tests::harness::init_logs();
+    let (dir, image) = accel_tests::harness::temp_image(prefix, size);
+    fill_image(&image, size, 1).unwrap();
+    let run = dir.path().join("run");
+    let socket = run.join("vm").join("d0.sock");
+    let fake = FakeQemu::start(dir.path(), "d0", &image, &socket);
+    let spec = DriveSpec::parse(&format!("id=d0,image={},queues=2", image.display())).unwrap();
+    let sup = fake.supervise(&run, spec);
+    (dir, image, socket, fake, sup)
+}
+
 /// The guest: a verifying QD32 mix on two queues of the drive on `socket`, until `stop`.
 fn guest_load(
     socket: &std::path::Path,
@@ -69,23 +92,8 @@ fn guest_load(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn switches_and_rollbacks_under_verified_load() {
-    accel_tests::harness::init_logs();
-    let dir = tempfile::Builder::new()
-        .prefix("accel-sup")
-        .tempdir_in("/var/tmp")
-        .unwrap();
     let size = 16u64 << 20;
-    let image = dir.path().join("d0.raw");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(size)
-        .unwrap();
-    fill_image(&image, size, 1).unwrap();
-    let run = dir.path().join("run");
-    let socket = run.join("vm").join("d0.sock");
-    let fake = FakeQemu::start(dir.path(), "d0", &image, &socket);
-    let spec = DriveSpec::parse(&format!("id=d0,image={},queues=2", image.display())).unwrap();
-    let sup = fake.supervise(&run, spec);
+    let (_dir, image, socket, fake, sup) = supervised("accel-sup", size);
     let d = wait_engine(&sup, "direct").await;
     assert_eq!(d["device"], "vdisk", "{d}");
     assert!(
@@ -287,15 +295,8 @@ async fn switches_and_rollbacks_under_verified_load() {
 /// an even count of completed switches must show direct and an odd one qemu.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_never_shows_half_a_switch() {
-    accel_tests::harness::init_logs();
     let size = 16u64 << 20;
-    let (dir, image) = accel_tests::harness::temp_image("accel-status", size);
-    fill_image(&image, size, 1).unwrap();
-    let run = dir.path().join("run");
-    let socket = run.join("vm").join("d0.sock");
-    let fake = FakeQemu::start(dir.path(), "d0", &image, &socket);
-    let spec = DriveSpec::parse(&format!("id=d0,image={},queues=2", image.display())).unwrap();
-    let sup = fake.supervise(&run, spec);
+    let (_dir, image, socket, _fake, sup) = supervised("accel-status", size);
     wait_engine(&sup, "direct").await;
     let stop = Arc::new(AtomicBool::new(false));
     let load = guest_load(&socket, size, stop.clone());
