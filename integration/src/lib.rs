@@ -422,6 +422,13 @@ impl Guest {
     }
 
     /// Waits for the guest to power off; returns all its output.
+    /// QEMU's exit status, once [`Guest::wait_exit`] returned.
+    pub fn exit_status(&mut self) -> Result<std::process::ExitStatus> {
+        self.child
+            .try_wait()?
+            .ok_or_else(|| anyhow::anyhow!("QEMU is still running"))
+    }
+
     pub fn wait_exit(&mut self, timeout: Duration) -> Result<Vec<String>> {
         let deadline = Instant::now() + timeout;
         loop {

@@ -43,6 +43,7 @@ use accel_dataplane::util::lock;
 
 mod contract;
 mod drive_state;
+mod exit_watch;
 mod migration;
 mod observe;
 pub(crate) mod offload;

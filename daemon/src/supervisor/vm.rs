@@ -196,6 +196,15 @@ impl Vm {
     }
 }
 
+/// Aborts a task when the scope that started it ends.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Whether acceld's QMP connection negotiates `oob` when QEMU offers it (see attach).
 const OOB_UPSTREAM: bool = true;
 
@@ -331,6 +340,17 @@ impl Supervisor {
     async fn watch(&self, vm: &Arc<Vm>) {
         let Ok(qmp) = vm.qmp() else { return };
         let mut events = qmp.events();
+        // Its own task: a reconcile waiting on a QEMU stuck in its exit must not hold it up.
+        let watched = super::exit_watch::Watched {
+            name: vm.name.clone(),
+            owner_uid: vm.owner.map(|o| o.uid),
+        };
+        let exit = tokio::spawn(super::exit_watch::watch_exit(
+            watched,
+            qmp.clone(),
+            qmp.events(),
+        ));
+        let _exit = AbortOnDrop(exit);
         let mut tick = tokio::time::interval(Duration::from_millis(self.cfg.poll_interval_ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
