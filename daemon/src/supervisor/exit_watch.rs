@@ -107,27 +107,33 @@ pub(super) async fn watch_exit(vm: Watched, qmp: Arc<Qmp>, mut events: broadcast
 }
 
 fn kick(vm: &Watched, qmp: &Qmp, n: u32, log: &LogLimit) {
-    let Some(k) = log.admit() else {
-        return;
-    };
+    let after = EXIT_GRACE * n;
     let Some(pid) = qmp.peer_pid().filter(|p| *p > 1) else {
-        warn!(vm = %vm.name, "QEMU has not exited {:?} after its SHUTDOWN, and its process is unknown{}", EXIT_GRACE * n, suppressed(k));
+        if let Some(k) = log.admit() {
+            warn!(vm = %vm.name, "QEMU has not exited {after:?} after its SHUTDOWN, and its process is unknown{}", suppressed(k));
+        }
         return;
     };
     if let Some(uid) = vm.owner_uid {
         if qmp.peer_uid() != Some(uid) {
-            warn!(vm = %vm.name, pid, "QEMU has not exited {:?} after its SHUTDOWN; its QMP socket is not its user's ({uid}): not signalled{}", EXIT_GRACE * n, suppressed(k));
+            if let Some(k) = log.admit() {
+                warn!(vm = %vm.name, pid, "QEMU has not exited {after:?} after its SHUTDOWN; its QMP socket is not its user's ({uid}): not signalled{}", suppressed(k));
+            }
             return;
         }
     }
     // SAFETY: kill(2) takes two integers and touches none of acceld's memory. `pid` made the
     // QMP socket whose connection is open: that process lives, its pid names no other.
     let r = unsafe { libc::kill(pid, libc::SIGTERM) };
+    // The budget is the log's only: the signal goes whatever it says.
+    let Some(k) = log.admit() else {
+        return;
+    };
     if r != 0 {
         let e = std::io::Error::last_os_error();
-        warn!(vm = %vm.name, pid, "QEMU has not exited {:?} after its SHUTDOWN; SIGTERM failed: {e}{}", EXIT_GRACE * n, suppressed(k));
+        warn!(vm = %vm.name, pid, "QEMU has not exited {after:?} after its SHUTDOWN; SIGTERM failed: {e}{}", suppressed(k));
     } else {
-        info!(vm = %vm.name, pid, "QEMU has not exited {:?} after its SHUTDOWN (QEMU 10.0.2 can wait forever in its exit when its main loop ended in the middle of a QMP command): SIGTERM wakes it{}", EXIT_GRACE * n, suppressed(k));
+        info!(vm = %vm.name, pid, "QEMU has not exited {after:?} after its SHUTDOWN (QEMU 10.0.2 can wait forever in its exit when its main loop ended in the middle of a QMP command): SIGTERM wakes it{}", suppressed(k));
     }
 }
 
