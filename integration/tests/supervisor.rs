@@ -496,6 +496,8 @@ fn qemu_exits_though_a_monitor_keeps_asking() -> Result<()> {
         rd.read_line(&mut line)?;
         assert!(line.contains("return"), "{line}");
         acc.wait_engine(&vm, "d0", "direct", Duration::from_secs(60))?;
+        // The guest's drivers are up before the monitor starts asking: the subject is the exit.
+        g.wait_for("WAITING", Duration::from_secs(60))?;
         // Ask, read the answer, ask again, until QEMU closes the monitor.
         let asker = std::thread::spawn(move || {
             let mut n = 0u64;
@@ -515,7 +517,6 @@ fn qemu_exits_though_a_monitor_keeps_asking() -> Result<()> {
                 n += 1;
             }
         });
-        g.wait_for("WAITING", Duration::from_secs(60))?;
         std::thread::sleep(Duration::from_millis(200));
         let t0 = Instant::now();
         g.send_line("go")?;
