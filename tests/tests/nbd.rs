@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use accel_dataplane::engine::nbd::NbdEngine;
 use accel_dataplane::engine::Engine;
+use accel_dataplane::util::lock;
 use accel_tests::harness::{file_engine, QsdNbd, ServerOptions, TestServer};
 use accel_tests::load::{fill_image, run_load, LoadSpec};
 use accel_tests::{
@@ -194,7 +195,14 @@ fn switches_between_direct_and_qemu_under_load() {
     });
     let r = run_load(&mut fe, &LoadSpec::verified_mix(size / bs, 3, Some(done))).unwrap();
     let mut pauses = switcher.join().unwrap();
-    assert_eq!(r.errors, 0);
+    // A failure names its source: the NBD connections' last error, the drive's counters.
+    assert_eq!(
+        r.errors,
+        0,
+        "NBD: {:?}; drive: {:?}",
+        lock(&s.engine.stats().last_error),
+        s.server.drive.stats
+    );
     assert_eq!(r.mismatch_count, 0, "{:?}", r.mismatches);
     drop(fe);
     assert_eq!(

@@ -9,7 +9,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
@@ -228,6 +228,24 @@ impl Drive {
         !lock(&self.running).is_empty()
     }
 
+    /// Waits until at least `n` queues run (their workers attached), at most `timeout`.
+    pub fn wait_running_queues(&self, n: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let (m, cv) = &self.queue_events;
+        let mut g = lock(m);
+        while lock(&self.running).len() < n {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            g = cv
+                .wait_timeout(g, deadline - now)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+        true
+    }
+
     /// Sectors, block size and read-only, with the live capacity.
     pub fn geometry(&self) -> DiskGeometry {
         DiskGeometry {
@@ -360,19 +378,22 @@ impl Drive {
     }
 
     /// Called by a worker as it starts: the current engine's context for its queue, or a null
-    /// context and a paused start while the drive is held or a switch is in progress.
-    /// Registers the worker so that switches pause it.
+    /// context and a paused start while the drive is held or a switch is in progress (the
+    /// `bool`: the worker must start paused, whatever its control state says by the time its
+    /// thread runs, since the resume that ends the pause may come first and leaves the real
+    /// context in [`QueueCtl`]'s `next`). Registers the worker so that switches pause it.
     pub(crate) fn attach_worker(
         &self,
         ctl: &Arc<QueueCtl>,
         depth: u32,
-    ) -> Result<NextEngine, EngineError> {
+    ) -> Result<(NextEngine, bool), EngineError> {
         let _a = lock(&self.attach_lock);
         let (engine, paused) = {
             let slot = lock(&self.engine);
             (slot.engine.clone(), slot.paused)
         };
-        let io = if paused || engine.holds() {
+        let start_paused = paused || engine.holds();
+        let io = if start_paused {
             ctl.start_paused();
             Box::new(NullIo::new()?) as Box<dyn QueueIo>
         } else {
@@ -380,7 +401,7 @@ impl Drive {
         };
         lock(&self.running).push(ctl.clone());
         self.queues_changed();
-        Ok((io, engine))
+        Ok(((io, engine), start_paused))
     }
 
     pub(crate) fn detach_worker(&self, ctl: &Arc<QueueCtl>) {

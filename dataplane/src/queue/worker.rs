@@ -165,7 +165,7 @@ pub enum WorkerError {
 pub fn spawn(p: WorkerParams) -> Result<WorkerHandle, WorkerError> {
     let depth = u32::from(p.queue.size());
     let ctl = Arc::new(QueueCtl::new(p.index, depth, p.mem.clone()).map_err(WorkerError::Setup)?);
-    let (io, engine) = p
+    let ((io, engine), start_paused) = p
         .drive
         .attach_worker(&ctl, depth)
         .map_err(|e| WorkerError::Engine(p.index, e))?;
@@ -190,7 +190,7 @@ pub fn spawn(p: WorkerParams) -> Result<WorkerHandle, WorkerError> {
     let thread = std::thread::Builder::new()
         .name(name.chars().take(15).collect())
         .spawn(move || {
-            let mut w = Worker::new(p, ctl2, io, engine, epoll);
+            let mut w = Worker::new(p, ctl2, io, engine, start_paused, epoll);
             w.run();
             w.finish()
         });
@@ -229,6 +229,9 @@ struct Worker {
     starved: bool,
     /// `process_avail` stopped at its budget with requests left in the ring.
     backlog: bool,
+    /// The context is the null one of a paused start: a resume that brings none
+    /// (`QueueCtl::resume(None)`) opens one on the drive's engine before serving.
+    null_io: bool,
 }
 
 impl Worker {
@@ -237,12 +240,16 @@ impl Worker {
         ctl: Arc<QueueCtl>,
         io: Box<dyn QueueIo>,
         engine: Arc<dyn Engine>,
+        start_paused: bool,
         epoll: Epoll,
     ) -> Self {
         let n = usize::from(p.queue.size()).max(1);
         let id = virtio_blk::id_bytes(&p.drive.config().serial);
         let poller = Poller::new(p.drive.config().poll_us);
-        let mode = if lock(&ctl.st).pause {
+        // A worker attached paused holds a null context: it must not serve a request before
+        // the resume hands it a real one (which, if the resume came before this thread ran,
+        // waits in the control state: the first control wake-up takes it).
+        let mode = if start_paused || lock(&ctl.st).pause {
             Mode::Pausing
         } else {
             Mode::Running
@@ -279,11 +286,16 @@ impl Worker {
             starved: false,
             poller,
             backlog: false,
+            null_io: start_paused,
         }
     }
 
     fn run(&mut self) {
-        self.resubmit_inflight();
+        // Not while paused: a worker that starts paused (the drive held, a switch going on)
+        // has no engine yet; its resubmissions wait for the resume (`control_requests`).
+        if self.mode == Mode::Running {
+            self.resubmit_inflight();
+        }
         // The frontend may have queued requests (and kicked) before this worker existed.
         self.process_avail();
         self.notify();
@@ -556,10 +568,41 @@ impl Worker {
             self.mode = Mode::Running;
             let next = st.next.take();
             drop(st);
+            let next = match next {
+                Some(n) => Some(n),
+                None if self.null_io => self.open_current(),
+                None => None,
+            };
             if let Some((io, engine)) = next {
                 drop(self.engines.replace(&self.epoll, io, engine));
+                self.null_io = false;
+            } else if self.null_io {
+                // Nothing to serve with (the drive holds): the requests wait in the vring.
+                self.mode = Mode::Paused;
+                return;
             }
+            // The previous back-end's unfinished requests first (a no-op once done).
+            self.resubmit_inflight();
             self.process_avail();
+        }
+    }
+
+    /// A context on the drive's current engine, for a worker resumed without one while it
+    /// holds the null context of a paused start; None while the drive holds or the engine
+    /// cannot open one (logged).
+    fn open_current(&self) -> Option<NextEngine> {
+        let engine = self.drive.engine();
+        if engine.holds() {
+            return None;
+        }
+        match engine.open_queue(self.index, self.ctl.depth(), self.ctl.mem()) {
+            Ok(io) => Some((io, engine)),
+            Err(e) => {
+                if let Some(n) = self.drive.stats.log.io.admit() {
+                    warn!(drive = %self.drive.config().name, queue = self.index, "cannot open the engine: {e}{}", crate::util::suppressed(n));
+                }
+                None
+            }
         }
     }
 
