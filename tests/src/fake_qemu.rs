@@ -114,11 +114,21 @@ impl FakeQemu {
         run: &Path,
         spec: acceld::control::DriveSpec,
     ) -> Arc<acceld::supervisor::Supervisor> {
+        self.supervise_polling(run, spec, 3_600_000)
+    }
+
+    /// [`FakeQemu::supervise`] with a periodic reconcile every `poll_interval_ms`.
+    pub fn supervise_polling(
+        &self,
+        run: &Path,
+        spec: acceld::control::DriveSpec,
+        poll_interval_ms: u64,
+    ) -> Arc<acceld::supervisor::Supervisor> {
         use acceld::supervisor::{Config, Supervisor};
         let sup = Supervisor::new(Config {
             run_dir: run.to_path_buf(),
             quiet_period_ms: 100,
-            poll_interval_ms: 3_600_000,
+            poll_interval_ms,
             attach_timeout_ms: 5000,
             ..Config::default()
         });

@@ -414,3 +414,77 @@ async fn no_serial_unless_configured() {
         let _ = sup.unregister("vm", false).await;
     }
 }
+
+/// The state file changes with the registry only: reconciles that change nothing leave it as
+/// it is (acceld rewrote it on every reconcile of every VM, once a second each), and a switch
+/// writes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_file_is_written_only_when_the_registry_changes() {
+    use std::os::unix::fs::MetadataExt;
+    accel_tests::harness::init_logs();
+    let size = 4u64 << 20;
+    let (dir, image) = accel_tests::harness::temp_image("accel-state", size);
+    let run = dir.path().join("run");
+    let socket = run.join("vm").join("d0.sock");
+    let fake = FakeQemu::start(dir.path(), "d0", &image, &socket);
+    let spec = DriveSpec::parse(&format!("id=d0,image={}", image.display())).unwrap();
+    let sup = fake.supervise_polling(&run, spec, 20);
+    wait_engine(&sup, "direct").await;
+    let state = run.join("state.json");
+    let saved_engine = || -> Value {
+        let v: Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+        v["vms"][0]["drives"][0]["engine"].clone()
+    };
+    let reconciles = || {
+        fake.log()
+            .iter()
+            .filter(|c| c.as_str() == "query-migrate")
+            .count()
+    };
+    // Each reconcile asks query-migrate just before it saves: the 11th after this point
+    // means 10 whole reconciles (and their saves) came and went.
+    let wait_reconciles = |n: usize| {
+        let from = reconciles();
+        async move {
+            let t0 = Instant::now();
+            while reconciles() < from + n + 1 {
+                assert!(t0.elapsed() < Duration::from_secs(20), "no reconcile");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    // A second name for the file as it is now: a write renames a new file over the name, so
+    // the name then leaves the link (which also keeps the old inode's number from reuse).
+    let keep = run.join("state.keep");
+    let same_file = || {
+        let (a, b) = (
+            std::fs::metadata(&state).unwrap(),
+            std::fs::metadata(&keep).unwrap(),
+        );
+        (a.dev(), a.ino()) == (b.dev(), b.ino())
+    };
+    wait_reconciles(1).await;
+    std::fs::hard_link(&state, &keep).unwrap();
+    assert_eq!(saved_engine(), "direct");
+    wait_reconciles(10).await;
+    assert!(
+        same_file(),
+        "10 reconciles that changed nothing rewrote the state file"
+    );
+
+    // A switch changes the registry: the file follows, once.
+    sup.set_pin("vm", "d0", Some(Pin::Qemu), false)
+        .await
+        .unwrap();
+    assert_eq!(saved_engine(), "qemu");
+    assert!(!same_file(), "the switch was not saved");
+    std::fs::remove_file(&keep).unwrap();
+    std::fs::hard_link(&state, &keep).unwrap();
+    wait_reconciles(10).await;
+    assert!(
+        same_file(),
+        "reconciles after the switch rewrote the state file"
+    );
+    assert_eq!(saved_engine(), "qemu");
+    let _ = sup.unregister("vm", false).await;
+}

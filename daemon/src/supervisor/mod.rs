@@ -209,7 +209,8 @@ pub struct ReasonText {
 pub struct Supervisor {
     pub cfg: Config,
     vms: Mutex<BTreeMap<String, Arc<Vm>>>,
-    save_lock: Mutex<()>,
+    /// The registry's state file: only [`Supervisor::save`] writes it.
+    state: persist::StateFile,
     /// Set when acceld stops: VM tasks end without touching QEMU.
     stopping: AtomicBool,
     register_hook: Mutex<Option<RegisterHook>>,
@@ -224,9 +225,9 @@ type RegisterHook = Box<dyn Fn(&str) + Send + Sync>;
 impl Supervisor {
     pub fn new(cfg: Config) -> Arc<Self> {
         Arc::new(Supervisor {
+            state: persist::StateFile::new(cfg.state_path()),
             cfg,
             vms: Mutex::new(BTreeMap::new()),
-            save_lock: Mutex::new(()),
             stopping: AtomicBool::new(false),
             register_hook: Mutex::new(None),
             permits: Mutex::new(BTreeMap::new()),
@@ -284,13 +285,13 @@ impl Supervisor {
         lock(&self.vms).keys().cloned().collect()
     }
 
-    /// Saves the registry (after every change); a failure is logged, not fatal.
+    /// Saves the registry (after every change; the file is written only when the registry's
+    /// saved form changed); a failure is logged, not fatal, and the next save tries again.
     fn save(&self) {
-        let _g = lock(&self.save_lock);
-        let st = persist::SavedState {
+        let st = || persist::SavedState {
             vms: self.all_vms().iter().map(|vm| vm.saved()).collect(),
         };
-        if let Err(e) = persist::save(&self.cfg.state_path(), &st) {
+        if let Err(e) = self.state.save(st) {
             warn!("{}", crate::error_chain(&e));
         }
     }

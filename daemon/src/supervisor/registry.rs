@@ -58,7 +58,7 @@ impl Supervisor {
     /// Registers again every VM of the state file (after a restart). Drives that were direct
     /// are served directly at once; the others wait for the re-attach.
     pub fn restore(self: &Arc<Self>) -> Result<usize, SupError> {
-        let st = persist::load(&self.cfg.state_path())?;
+        let st = persist::load(self.state.path())?;
         let n = st.vms.len();
         for vm in st.vms {
             let name = vm.name.clone();
