@@ -41,6 +41,15 @@ impl Killed {
             .unwrap()
     }
 
+    /// Waits for the 16 unfinished requests to complete again: exactly the odd blocks.
+    fn wait_unfinished_run(&mut self, what: &str) {
+        let mut again = Vec::new();
+        wait_for(&mut self.fe, &mut again, (BLOCKS / 2) as usize);
+        let resubmitted: BTreeSet<u64> = again.iter().map(|u| self.block_of(u.head)).collect();
+        let odd: BTreeSet<u64> = (0..BLOCKS).filter(|b| b % 2 == 1).collect();
+        assert_eq!(resubmitted, odd, "{what}");
+    }
+
     /// Every request ended OK and every block holds what the guest wrote.
     fn assert_all_written(&mut self) {
         for &(_, b, status) in &self.heads {
@@ -61,13 +70,18 @@ impl Killed {
     }
 }
 
-fn image_in(dir: &Path) -> PathBuf {
-    let image = dir.join("disk.raw");
+/// A directory in /var/tmp holding an empty image of SIZE bytes.
+fn work_dir(prefix: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let image = dir.path().join("disk.raw");
     std::fs::File::create(&image)
         .unwrap()
         .set_len(SIZE)
         .unwrap();
-    image
+    (dir, image)
 }
 
 /// Serves `sock` with an acceld whose NBD export completes even blocks' writes and never the
@@ -138,11 +152,7 @@ fn kill_with_odd_writes_in_flight(dir: &Path, sock: &Path, image: &Path) -> Kill
 
 #[test]
 fn a_killed_acceld_is_replaced_and_only_unfinished_requests_run_again() {
-    let dir = tempfile::Builder::new()
-        .prefix("accel-inflight")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let image = image_in(dir.path());
+    let (dir, image) = work_dir("accel-inflight");
     let sock = dir.path().join("d.sock");
     let log = dir.path().join("acceld.log");
     let mut k = kill_with_odd_writes_in_flight(dir.path(), &sock, &image);
@@ -150,14 +160,7 @@ fn a_killed_acceld_is_replaced_and_only_unfinished_requests_run_again() {
     // same inflight region, its ring base at the used index (as QEMU does after a crash).
     let _second = Acceld::serve(&sock, &["--image", image.to_str().unwrap()], &log).unwrap();
     k.fe.reconnect().unwrap();
-    let mut again = Vec::new();
-    wait_for(&mut k.fe, &mut again, (BLOCKS / 2) as usize);
-    let resubmitted: BTreeSet<u64> = again.iter().map(|u| k.block_of(u.head)).collect();
-    let odd: BTreeSet<u64> = (0..BLOCKS).filter(|b| b % 2 == 1).collect();
-    assert_eq!(
-        resubmitted, odd,
-        "exactly the unfinished requests ran again"
-    );
+    k.wait_unfinished_run("exactly the unfinished requests ran again");
     // Nothing more: no completed request was replayed.
     let mut extra = Vec::new();
     let _ = k.fe.wait_used(0, &mut extra, Duration::from_millis(300));
@@ -173,11 +176,7 @@ fn a_killed_acceld_is_replaced_and_only_unfinished_requests_run_again() {
 /// guest for every request in flight at the kill).
 #[test]
 fn requests_in_flight_at_a_kill_wait_for_a_held_drive_engine() {
-    let dir = tempfile::Builder::new()
-        .prefix("accel-inflight-held")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let image = image_in(dir.path());
+    let (dir, image) = work_dir("accel-inflight-held");
     // TestServer serves DIR/vhost.sock.
     let sock = dir.path().join("vhost.sock");
     let mut k = kill_with_odd_writes_in_flight(dir.path(), &sock, &image);
@@ -202,13 +201,6 @@ fn requests_in_flight_at_a_kill_wait_for_a_held_drive_engine() {
     );
     let direct: Arc<dyn Engine> = file_engine(&image, &opts);
     server.drive.switch_engine(direct).expect("switch");
-    let mut again = Vec::new();
-    wait_for(&mut k.fe, &mut again, (BLOCKS / 2) as usize);
-    let resubmitted: BTreeSet<u64> = again.iter().map(|u| k.block_of(u.head)).collect();
-    let odd: BTreeSet<u64> = (0..BLOCKS).filter(|b| b % 2 == 1).collect();
-    assert_eq!(
-        resubmitted, odd,
-        "exactly the unfinished requests ran, once the engine came"
-    );
+    k.wait_unfinished_run("exactly the unfinished requests ran, once the engine came");
     k.assert_all_written();
 }
