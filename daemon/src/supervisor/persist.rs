@@ -125,26 +125,18 @@ impl StateFile {
     }
 }
 
-/// Writes the state next to `path`, syncs it and renames it over (then syncs the directory),
-/// so a crash leaves the old or the new.
+/// Writes the state next to `path` and renames it over, so an acceld crash leaves the old or
+/// the new. Not synced: the file describes running QEMUs, which a host crash ends too, and a
+/// sync would block the async runtime's thread for a disk's flush.
 fn save_bytes(path: &Path, data: &[u8]) -> Result<(), PersistError> {
     let tmp = path.with_extension("tmp");
     // Only root reads it: the run dir may be traversable by QEMU's user (permits).
     write_private(&tmp, data)
         .and_then(|_| std::fs::rename(&tmp, path))
-        .and_then(|_| sync_dir(path))
         .map_err(|source| PersistError::Write {
             path: path.to_path_buf(),
             source,
         })
-}
-
-fn sync_dir(path: &Path) -> std::io::Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    std::fs::File::open(dir)?.sync_all()
 }
 
 fn write_private(p: &Path, data: &[u8]) -> std::io::Result<()> {
@@ -157,8 +149,7 @@ fn write_private(p: &Path, data: &[u8]) -> std::io::Result<()> {
         .mode(0o600)
         .open(p)?;
     f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-    f.write_all(data)?;
-    f.sync_all()
+    f.write_all(data)
 }
 
 /// The saved state; empty when there is no file yet.
